@@ -1,0 +1,12 @@
+"""fold: FOLD attention for long-context speculative decoding, without retraining the drafter.
+
+Public API: :class:`Rope`, :func:`attention`, :func:`merge_states`.
+"""
+
+from fold.attention import attention
+from fold.merge import merge_states
+from fold.rope import Rope
+
+__version__ = "0.1.0"
+
+__all__ = ["Rope", "__version__", "attention", "merge_states"]

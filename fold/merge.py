@@ -1,0 +1,70 @@
+"""``fold.merge_states``: combine attention states read over disjoint segments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _merge_pair(o_a, lse_a, o_b, lse_b):
+    # o: [..., d] float; lse: [...] float, -inf for an empty state. Weights first, then outputs,
+    # and an empty pair stays (0, -inf) instead of (-inf) - (-inf) = NaN.
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a = torch.exp(lse_a - m_safe)
+    w_b = torch.exp(lse_b - m_safe)
+    total = w_a + w_b
+    nonempty = total > 0
+    denom = torch.where(nonempty, total, torch.ones_like(total))
+    o_a = torch.where((w_a > 0)[..., None], o_a, 0.0)   # an empty state's o is never trusted
+    o_b = torch.where((w_b > 0)[..., None], o_b, 0.0)
+    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / denom[..., None]
+    lse = torch.where(nonempty, m_safe + torch.log(denom), torch.full_like(m, float("-inf")))
+    return o, lse
+
+
+def merge_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
+    """Merge attention states ``(o_i, lse_i)`` of disjoint key segments into one state.
+
+    With ``Z_i = exp(lse_i)``: ``o = sum_i Z_i o_i / sum_i Z_i`` and ``lse = log sum_i Z_i``, the
+    exact attention over the union of the segments. An empty segment is ``(anything, -inf)``; if
+    all are empty the result is ``(0, -inf)``. The merge is commutative and associative.
+
+    Args:
+        outputs: tensors ``[batch, n_q, heads, head_dim]`` (any leading shape, all equal).
+        lses: tensors ``[batch, n_q, heads]``, natural log (as ``fold.attention(return_lse=True)``).
+
+    Returns:
+        ``(o, lse)``: ``o`` in ``outputs[0].dtype``, ``lse`` float32 (float64 for float64 inputs).
+
+    Example::
+
+        >>> o1, lse1 = fold.attention(q, k1, v1, window=w, rope=rope, return_lse=True)
+        >>> o, lse = fold.merge_states([o1, o2], [lse1, lse2])
+    """
+    if len(outputs) != len(lses) or len(outputs) == 0:
+        raise ValueError(f"outputs and lses must be non-empty and of equal length, got {len(outputs)} and {len(lses)}")
+    ref_o = outputs[0]
+    for i, (o, lse) in enumerate(zip(outputs, lses)):
+        if not isinstance(o, torch.Tensor) or not isinstance(lse, torch.Tensor):
+            raise TypeError(f"outputs[{i}] and lses[{i}] must be torch.Tensors")
+        if o.shape != ref_o.shape or o.ndim < 1:
+            raise ValueError(f"outputs[{i}] must have shape {tuple(ref_o.shape)}, got {tuple(o.shape)}")
+        if lse.shape != o.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have shape {tuple(o.shape[:-1])} (outputs[{i}] without its "
+                             f"last dim), got {tuple(lse.shape)}")
+        if o.device != ref_o.device or lse.device != ref_o.device:
+            raise ValueError(f"outputs[{i}] and lses[{i}] must be on {ref_o.device}")
+        if not o.is_floating_point() or not lse.is_floating_point():
+            raise TypeError(f"outputs[{i}] and lses[{i}] must be floating point")
+    work = torch.float64 if ref_o.dtype == torch.float64 else torch.float32
+    o, lse = outputs[0].to(work), lses[0].to(work)
+    # +inf is FA2's marker for an empty row; read it as empty
+    lse = torch.where(lse == float("inf"), float("-inf"), lse)
+    for o_i, lse_i in zip(outputs[1:], lses[1:]):
+        lse_i = torch.where(lse_i == float("inf"), float("-inf"), lse_i.to(work))
+        o, lse = _merge_pair(o, lse, o_i.to(work), lse_i)
+    if len(outputs) == 1:
+        o = torch.where(torch.isfinite(lse)[..., None], o, 0.0)
+    return o.to(ref_o.dtype), lse

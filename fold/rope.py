@@ -1,0 +1,109 @@
+"""``fold.Rope``: the rotary embedding a drafter was trained with, as the kernels need it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Rope:
+    """Rotary position embedding parameters.
+
+    ``R_j x`` rotates the first ``rotary_dim`` dimensions of ``x`` by the angles ``j * inv_freq``
+    and multiplies them by ``attention_factor`` (YaRN's mscale, as transformers multiplies cos and
+    sin); the remaining ``head_dim - rotary_dim`` dimensions pass through unchanged.
+
+    Args:
+        inv_freq: [rotary_dim / 2] inverse frequencies (stored as float32, as transformers does).
+        rotary_dim: rotated dimensions, even. Default: ``2 * len(inv_freq)``.
+        interleaved: pair ``x[2i]`` with ``x[2i+1]`` (GPT-J). Default ``False``: pair ``x[i]`` with
+            ``x[i + rotary_dim/2]`` (NeoX, Llama, Qwen, Gemma).
+        attention_factor: multiplies cos and sin. Default 1.0.
+
+    Example::
+
+        >>> rope = fold.Rope.from_theta(500000.0, head_dim=128)
+        >>> rope.rotary_dim, rope.inv_freq.shape
+        (128, torch.Size([64]))
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False,
+                 attention_factor: float = 1.0):
+        if not isinstance(inv_freq, torch.Tensor):
+            raise TypeError(f"inv_freq must be a torch.Tensor of shape [rotary_dim / 2], got {type(inv_freq).__name__}")
+        if inv_freq.ndim != 1 or inv_freq.numel() == 0:
+            raise ValueError(f"inv_freq must have shape [rotary_dim / 2] with at least one entry, got {tuple(inv_freq.shape)}")
+        if not inv_freq.is_floating_point() or not bool(torch.isfinite(inv_freq).all()):
+            raise ValueError("inv_freq must hold finite floating-point values")
+        if rotary_dim is None:
+            rotary_dim = 2 * inv_freq.numel()
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+            raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+        if rotary_dim != 2 * inv_freq.numel():
+            raise ValueError(f"rotary_dim={rotary_dim} needs inv_freq of shape [{rotary_dim // 2}], "
+                             f"got {tuple(inv_freq.shape)}")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+        attention_factor = float(attention_factor)
+        if not (math.isfinite(attention_factor) and attention_factor > 0):
+            raise ValueError(f"attention_factor must be finite and > 0, got {attention_factor}")
+        self.inv_freq = inv_freq.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+        self.attention_factor = attention_factor
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def from_theta(cls, theta: float, head_dim: int, rotary_dim: int | None = None) -> Rope:
+        """Standard RoPE: ``inv_freq[i] = theta ** (-2i / rotary_dim)``; ``rotary_dim`` defaults to ``head_dim``."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+            raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+        if not (math.isfinite(theta) and theta > 1):
+            raise ValueError(f"theta must be finite and > 1, got {theta}")
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return cls(1.0 / (theta ** exponent), rotary_dim=rotary_dim)
+
+    @classmethod
+    def from_config(cls, config) -> Rope:
+        """Build from a transformers config, through transformers' own rope initialisation.
+
+        Every ``rope_type`` transformers knows (``default``, ``linear``, ``dynamic`` at its base
+        length, ``yarn``, ``longrope``, ``llama3``, ...) gives the same ``inv_freq`` and
+        ``attention_factor`` the model uses, and ``partial_rotary_factor`` gives ``rotary_dim``.
+        """
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+            if theta is None:
+                raise ValueError("config has no rope_theta (neither config.rope_parameters['rope_theta'] "
+                                 "nor config.rope_theta)")
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+            return cls.from_theta(float(theta), head_dim, rotary_dim=int(head_dim * factor))
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"config's rope_type {rope_type!r} is unknown to transformers; "
+                             f"known: {sorted(ROPE_INIT_FUNCTIONS)}")
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return cls(inv_freq, attention_factor=float(attention_factor))
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` as float32 on ``device``, copied once per device."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        return self._on_device[device]
+
+    def __repr__(self) -> str:
+        return (f"Rope(rotary_dim={self.rotary_dim}, interleaved={self.interleaved}, "
+                f"attention_factor={self.attention_factor})")

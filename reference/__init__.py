@@ -1,0 +1,10 @@
+"""Readable PyTorch references for every op in ``fold``: dense, float64-capable, no Triton.
+
+Tests, benchmarks and the tuner compare against these; ``fold`` itself never imports them.
+"""
+
+from reference.fold_attention import fold_attention_ref, rope_attention_ref
+from reference.merge import merge_states_ref
+from reference.rope import apply_rope
+
+__all__ = ["apply_rope", "fold_attention_ref", "merge_states_ref", "rope_attention_ref"]

@@ -1,0 +1,92 @@
+"""FOLD attention for a draft block, dense and explicit (paper Eqs. 1-4).
+
+Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context entries,
+then the ``n_q`` block entries. Query row ``r`` sits at position ``p = n + r`` and ``D = W + n_q``.
+Entry ``j`` is in the window of row ``r`` iff ``p - j < D``, else in the far memory.
+
+    window logit  s_rj = (R_p q_r) . (R_j k_j) * scale
+    far logit     f_rj = (R_{D+r} q_r) . (R_0 k_j) * scale      (every far entry at one position)
+    Z_N = sum_window exp(s),   Z_F = (sum_far exp(alpha * f)) ** (1 / alpha)
+    out = (Z_N o_N + Z_F o_F) / (Z_N + Z_F),   lse = log(Z_N + Z_F)
+
+``R_0 k`` is ``k`` with its rotary dimensions times ``attention_factor`` (1 unless YaRN), which is
+what "read at the shared virtual position" means: ``(R_{D+r} q) . (R_0 k) = (R_p q) . (R_{n-D} k)``.
+With ``keys_rotated`` the cache holds ``R_j k_j`` and is un-rotated here first.
+
+Nothing here is fast: logits are materialised as ``[heads_q, n_q, L]`` per sequence.
+"""
+
+import torch
+
+from reference.merge import merge_states_ref
+from reference.rope import apply_rope
+
+
+def _cast(x, upcast):
+    return x.to(torch.float64) if upcast else x
+
+
+def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
+                       softmax_scale=None, upcast=True):
+    """Reference FOLD attention.
+
+    q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block
+    k, v: [batch, max_len, heads_kv, head_dim]; the first ``cache_seqlens[b]`` entries are valid
+    rope: any object with ``inv_freq``, ``rotary_dim``, ``interleaved``, ``attention_factor``
+    upcast: compute in float64 (the truth); ``False`` computes in the inputs' dtype, which is how
+        large an error PyTorch itself makes in that dtype.
+
+    Returns ``(out [batch, n_q, heads_q, head_dim], lse [batch, n_q, heads_q])``, both in float64
+    with ``upcast`` and in ``q.dtype`` otherwise; ``lse`` is in natural log.
+    """
+    batch, n_q, heads_q, head_dim = q.shape
+    max_len, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    seqlens = [max_len] * batch if cache_seqlens is None else [int(x) for x in cache_seqlens]
+    rot = dict(rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, attention_factor=rope.attention_factor)
+    inv_freq = rope.inv_freq.to(q.device)
+    d_pos = window + n_q
+    outs, lses = [], []
+    for b, length in enumerate(seqlens):
+        n = length - n_q
+        qb = _cast(q[b], upcast)                                                # [n_q, Hq, d]
+        kb = _cast(k[b, :length], upcast).repeat_interleave(group, dim=1)       # [L, Hq, d]
+        vb = _cast(v[b, :length], upcast).repeat_interleave(group, dim=1)
+        j = torch.arange(length, device=q.device)
+        r = torch.arange(n_q, device=q.device)
+        if keys_rotated:
+            kb = apply_rope(kb, j[:, None], inv_freq, inverse=True, **rot)
+        k_window = apply_rope(kb, j[:, None], inv_freq, **rot)
+        k_far = apply_rope(kb, torch.zeros_like(j)[:, None], inv_freq, **rot)
+        q_window = apply_rope(qb, (n + r)[:, None], inv_freq, **rot)
+        q_far = apply_rope(qb, (d_pos + r)[:, None], inv_freq, **rot)
+        s_window = torch.einsum("rhd,jhd->hrj", q_window, k_window) * scale     # [Hq, n_q, L]
+        s_far = torch.einsum("rhd,jhd->hrj", q_far, k_far) * scale
+        in_window = ((n + r)[:, None] - j[None, :]) < d_pos                     # [n_q, L]
+        neg_inf = torch.tensor(float("-inf"), dtype=s_window.dtype, device=q.device)
+        s_window = torch.where(in_window, s_window, neg_inf)
+        s_far = torch.where(in_window, neg_inf, alpha * s_far)
+        lse_window = torch.logsumexp(s_window, dim=-1)                         # [Hq, n_q]
+        lse_far_alpha = torch.logsumexp(s_far, dim=-1)
+        o_window = torch.einsum("hrj,jhd->rhd", torch.softmax(s_window, dim=-1), vb)
+        has_far = torch.isfinite(lse_far_alpha)
+        p_far = torch.where(has_far[..., None], torch.softmax(s_far, dim=-1), 0.0)
+        o_far = torch.einsum("hrj,jhd->rhd", p_far, vb)
+        out, lse = merge_states_ref(
+            [o_window, o_far], [lse_window.transpose(0, 1), (lse_far_alpha / alpha).transpose(0, 1)]
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rope_attention_ref(q, k, v, *, rope, cache_seqlens=None, keys_rotated=False, softmax_scale=None, upcast=True):
+    """Plain RoPE attention of the block over all valid entries (no window, no far memory).
+
+    Same shapes and return as :func:`fold_attention_ref`; row ``r`` is at position ``L - n_q + r``
+    and sees every valid entry, the block's own included (the block is bidirectional).
+    """
+    huge = k.shape[1] + q.shape[1]
+    return fold_attention_ref(q, k, v, window=huge, rope=rope, alpha=1.0, cache_seqlens=cache_seqlens,
+                              keys_rotated=keys_rotated, softmax_scale=softmax_scale, upcast=upcast)

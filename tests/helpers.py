@@ -1,0 +1,101 @@
+"""Shared test helpers: inputs, and tolerances scaled to PyTorch's own error in each dtype."""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+import fold
+from reference import apply_rope, fold_attention_ref
+
+# Below 2x PyTorch's own error, allow this many machine epsilons of the output's magnitude: the
+# kernels sum in another order and use exp2 with folded constants, which fp32 rounds differently.
+FLOOR_EPS = 16
+
+
+def assert_close(name, actual, truth, pytorch_lp, dtype):
+    """``|actual - truth| <= 2 * |pytorch_lp - truth| + FLOOR_EPS * eps(dtype) * max(1, |truth|)``.
+
+    ``truth`` is the float64 reference, ``pytorch_lp`` the same reference computed in ``dtype``.
+    """
+    actual = actual.to(torch.float64)
+    assert not torch.isnan(actual).any(), f"{name}: {int(torch.isnan(actual).sum())} NaN elements"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite elements"
+    err = (actual - truth).abs()
+    pt_err = (pytorch_lp.to(torch.float64) - truth).abs().max().item()
+    floor = FLOOR_EPS * torch.finfo(dtype).eps * max(1.0, truth.abs().max().item())
+    bound = 2 * pt_err + floor
+    worst = err.max().item()
+    if worst > bound:
+        idx = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
+        raise AssertionError(f"{name}: max error {worst:.3g} > bound {bound:.3g} (PyTorch {dtype} error {pt_err:.3g}, "
+                             f"floor {floor:.3g}) at {idx}: got {actual[idx].item():.6g}, want {truth[idx].item():.6g}")
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    n_q: int = 4
+    heads_kv: int = 1
+    group: int = 1
+    head_dim: int = 32
+    rotary_dim: int = 32
+    interleaved: bool = False
+    attention_factor: float = 1.0
+    max_len: int = 64
+    seqlens: tuple | None = None
+    window: int = 16
+    alpha: float = 2.0
+    keys_rotated: bool = False
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def with_(self, **kw):
+        return replace(self, **kw)
+
+
+def rope_of(case: Case) -> fold.Rope:
+    inv_freq = fold.Rope.from_theta(10000.0, case.head_dim, rotary_dim=case.rotary_dim).inv_freq
+    return fold.Rope(inv_freq, interleaved=case.interleaved, attention_factor=case.attention_factor)
+
+
+def make_inputs(case: Case, pad=float("nan")):
+    """q, k, v in ``case.dtype``; padding beyond each sequence's length is ``pad``; with
+    ``keys_rotated`` the cache holds ``R_j k_j``."""
+    g = torch.Generator().manual_seed(case.seed)
+    heads_q = case.heads_kv * case.group
+    q = torch.randn(case.batch, case.n_q, heads_q, case.head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(case.batch, case.max_len, case.heads_kv, case.head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(case.batch, case.max_len, case.heads_kv, case.head_dim, generator=g, dtype=torch.float64)
+    if case.keys_rotated:
+        rope = rope_of(case)
+        k = apply_rope(k, torch.arange(case.max_len)[None, :, None], rope.inv_freq, rotary_dim=rope.rotary_dim,
+                       interleaved=rope.interleaved, attention_factor=rope.attention_factor)
+    q, k, v = (x.to(case.dtype) for x in (q, k, v))
+    seqlens = None
+    if case.seqlens is not None:
+        seqlens = torch.tensor(case.seqlens, dtype=torch.int32)
+        for b, length in enumerate(case.seqlens):
+            k[b, length:] = pad
+            v[b, length:] = pad
+    return q, k, v, seqlens
+
+
+def kwargs_of(case: Case, seqlens):
+    return dict(window=case.window, rope=rope_of(case), alpha=case.alpha, cache_seqlens=seqlens,
+                keys_rotated=case.keys_rotated)
+
+
+def reference_pair(case: Case, q, k, v, seqlens):
+    """(truth in float64, the same math in case.dtype) for out and lse."""
+    kw = kwargs_of(case, seqlens)
+    return fold_attention_ref(q, k, v, **kw, upcast=True), fold_attention_ref(q, k, v, **kw, upcast=False)
+
+
+def check_against_reference(case: Case, backend: str):
+    q, k, v, seqlens = make_inputs(case)
+    out, lse = fold.attention(q, k, v, **kwargs_of(case, seqlens), return_lse=True, backend=backend)
+    assert out.dtype == case.dtype and out.shape == q.shape
+    assert lse.shape == q.shape[:3]
+    (out64, lse64), (out_lp, lse_lp) = reference_pair(case, q, k, v, seqlens)
+    assert_close("out", out, out64, out_lp, case.dtype)
+    assert_close("lse", lse, lse64, lse_lp, case.dtype)
