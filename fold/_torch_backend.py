@@ -26,14 +26,17 @@ def _rotate(x, pos, inv_freq, rotary_dim, interleaved, factor=1.0):
     # x: [..., N, d]; pos: [N] positions (may be negative); rotary dims times factor, rest unchanged
     angle = pos.to(inv_freq.dtype)[:, None] * inv_freq                      # [N, rotary_dim/2]
     cos, sin = torch.cos(angle) * factor, torch.sin(angle) * factor
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        rot = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    else:
-        a, b = rot.chunk(2, dim=-1)
-        rot = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    return torch.cat((rot, rest), dim=-1)
+    out = torch.empty_like(x)
+    pairs = (slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)) if interleaved else \
+        (slice(0, rotary_dim // 2), slice(rotary_dim // 2, rotary_dim))
+    a, b = x[..., pairs[0]], x[..., pairs[1]]
+    out_a, out_b = out[..., pairs[0]], out[..., pairs[1]]
+    torch.mul(a, cos, out=out_a)
+    out_a.addcmul_(b, sin, value=-1.0)                                      # a cos - b sin
+    torch.mul(b, cos, out=out_b)
+    out_b.addcmul_(a, sin)                                                  # b cos + a sin
+    out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
 
 
 def _empty_state(q):

@@ -79,7 +79,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
 
         out, lse = fold_attention_torch(q, k, v, inv_freq, cache_seqlens, **args)
     else:
-        from fold.configs import config_for
+        from fold.config_lookup import config_for
         from fold.kernels.fold_attention import fold_attention_fwd
 
         q = q if q.stride(-1) == 1 else q.contiguous()

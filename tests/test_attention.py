@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fold
-from fold.configs import use_config
+from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
 from reference import apply_rope
 from tests.helpers import Case, assert_close, check_against_reference, kwargs_of, make_inputs, rope_of

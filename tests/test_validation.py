@@ -1,0 +1,100 @@
+"""Bad input to fold.attention raises a clear error naming the argument."""
+
+import pytest
+import torch
+
+import fold
+from tests.helpers import Case, kwargs_of, make_inputs
+
+CASE = Case(batch=2, n_q=4, heads_kv=2, group=2, head_dim=32, rotary_dim=32, max_len=40, window=8)
+
+
+def _call(**override):
+    q, k, v, _ = make_inputs(CASE)
+    args = dict(q=q, k=k, v=v, **kwargs_of(CASE, None))
+    args.update(override)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    return fold.attention(q, k, v, **args)
+
+
+def _shape(x_name, shape, dtype=torch.float32):
+    return {x_name: torch.randn(shape, dtype=dtype)}
+
+
+BAD = [
+    # (override, error type, words the message must contain)
+    (dict(q=torch.randn(2, 4, 4)), ValueError, "q must have shape [batch, n_q, heads_q, head_dim]"),
+    (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor"),
+    (dict(k=torch.randn(2, 40, 2, 16)), ValueError, "k must have shape [batch=2, max_len, heads_kv, head_dim=32]"),
+    (dict(k=torch.randn(3, 40, 2, 32)), ValueError, "k must have shape [batch=2"),
+    (dict(v=torch.randn(2, 39, 2, 32)), ValueError, "v must have the shape of k"),
+    (dict(k=torch.randn(2, 40, 3, 32), v=torch.randn(2, 40, 3, 32)), ValueError, "heads_q=4 (q.shape[2]) must be a multiple of heads_kv=3"),
+    (dict(k=torch.randn(2, 3, 2, 32), v=torch.randn(2, 3, 2, 32)), ValueError, "k must hold at least n_q=4 entries"),
+    (dict(q=torch.randn(2, 4, 4, 32).to(torch.int32)), TypeError, "q must be float16, bfloat16, float32 or float64"),
+    (dict(v=torch.randn(2, 40, 2, 32, dtype=torch.float16)), TypeError, "v must have q's dtype"),
+    (dict(cache_seqlens=torch.tensor([3, 40])), ValueError, "cache_seqlens must lie in [n_q=4, max_len=40]"),
+    (dict(cache_seqlens=torch.tensor([4, 41])), ValueError, "cache_seqlens must lie in [n_q=4, max_len=40]"),
+    (dict(cache_seqlens=torch.tensor([4, 5, 6])), ValueError, "cache_seqlens must have shape [batch=2]"),
+    (dict(cache_seqlens=torch.tensor([4.0, 5.0])), TypeError, "cache_seqlens must be int32 or int64"),
+    (dict(cache_seqlens="40"), TypeError, "cache_seqlens must be a [batch] integer tensor"),
+    (dict(window=-1), ValueError, "window must be >= 0"),
+    (dict(window=2.5), TypeError, "window must be an int"),
+    (dict(window=True), TypeError, "window must be an int"),
+    (dict(alpha=0.5), ValueError, "alpha must be finite and >= 1"),
+    (dict(alpha=float("inf")), ValueError, "alpha must be finite and >= 1"),
+    (dict(alpha=float("nan")), ValueError, "alpha must be finite and >= 1"),
+    (dict(alpha="2"), TypeError, "alpha must be a real number"),
+    (dict(softmax_scale=0.0), ValueError, "softmax_scale must be finite and > 0"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite and > 0"),
+    (dict(rope=fold.Rope.from_theta(10000.0, 64)), ValueError, "rope.rotary_dim=64 must be <= head_dim=32"),
+    (dict(rope="rope"), TypeError, "rope must be a fold.Rope"),
+    (dict(keys_rotated=1), TypeError, "keys_rotated must be a bool"),
+    (dict(return_lse=None), TypeError, "return_lse must be a bool"),
+    (dict(backend="cuda"), ValueError, "backend must be one of ('auto', 'torch', 'triton')"),
+]
+
+
+@pytest.mark.parametrize("override, error, words", BAD, ids=[w[:40] for _, _, w in BAD])
+def test_bad_input_raises_a_clear_error(override, error, words):
+    with pytest.raises(error) as info:
+        _call(**override)
+    assert words in str(info.value)
+
+
+def test_triton_refuses_float64():
+    with pytest.raises(TypeError, match="backend='triton' takes float16, bfloat16 or float32"):
+        _call(q=torch.randn(2, 4, 4, 32, dtype=torch.float64), k=torch.randn(2, 40, 2, 32, dtype=torch.float64),
+              v=torch.randn(2, 40, 2, 32, dtype=torch.float64), backend="triton")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        _call(backend="triton")
+
+
+def test_cache_seqlens_as_a_list_is_accepted():
+    a = _call(cache_seqlens=[40, 17])
+    b = _call(cache_seqlens=torch.tensor([40, 17]))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("args, error, words", [
+    (dict(inv_freq=[1.0]), TypeError, "inv_freq must be a torch.Tensor"),
+    (dict(inv_freq=torch.ones(2, 2)), ValueError, "inv_freq must have shape [rotary_dim / 2]"),
+    (dict(inv_freq=torch.ones(4), rotary_dim=7), ValueError, "rotary_dim must be a positive even number, got 7"),
+    (dict(inv_freq=torch.ones(4), rotary_dim=6), ValueError, "rotary_dim=6 needs inv_freq of shape [3]"),
+    (dict(inv_freq=torch.ones(4), attention_factor=0.0), ValueError, "attention_factor must be finite and > 0"),
+    (dict(inv_freq=torch.tensor([1.0, float("nan")])), ValueError, "inv_freq must hold finite"),
+])
+def test_bad_rope_raises(args, error, words):
+    with pytest.raises(error) as info:
+        fold.Rope(**args)
+    assert words in str(info.value)
+
+
+def test_from_theta_rejects_odd_or_too_large_rotary_dim():
+    with pytest.raises(ValueError, match="rotary_dim must be even and in"):
+        fold.Rope.from_theta(10000.0, 64, rotary_dim=33)
+    with pytest.raises(ValueError, match="rotary_dim must be even and in"):
+        fold.Rope.from_theta(10000.0, 64, rotary_dim=66)
