@@ -85,7 +85,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
         q = q if q.stride(-1) == 1 else q.contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        config = config_for(q, k)
+        config = config_for(q, k, keys_rotated)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             out, lse = fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, config=config, **args)
     return (out, lse) if return_lse else out

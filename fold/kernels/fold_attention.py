@@ -134,7 +134,7 @@ def _load_kv(p_k0, p_v0, stride_kn, stride_vn, o_n, m_n, d_a, d_b, d_p, m_half, 
     return ka, kb, kp, v
 
 
-@triton.jit(do_not_specialize=["max_len", "window"])
+@triton.jit(do_not_specialize=["max_len", "window", "num_splits"])
 def fold_fwd_kernel_stage1(
     Q, K, V, InvFreq, SeqLens, OPart, LsePart,
     stride_qb, stride_qn, stride_qh,
@@ -142,11 +142,11 @@ def fold_fwd_kernel_stage1(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_oh, stride_or, stride_obr, stride_os,
     stride_lb, stride_lh, stride_lr, stride_lbr,
-    heads_kv, max_len, window, q_rot_scale, scale_window, scale_far,
+    heads_kv, max_len, window, num_splits, q_rot_scale, scale_window, scale_far,
     N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr,
     INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     HAS_PASS: tl.constexpr = PASS > 0
@@ -214,7 +214,7 @@ def fold_fwd_kernel_stage1(
         qfp = qfp.to(K.dtype.element_ty)
 
     # this split's KV range, in BLOCK_N-aligned chunks
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = i_split * chunk
     end = tl.minimum(start + chunk, seq_len)
     p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
@@ -282,16 +282,16 @@ def fold_fwd_kernel_stage2(
     stride_lb, stride_lh, stride_lr, stride_lbr,
     stride_outb, stride_outn, stride_outh,
     stride_lseb, stride_lsen,
-    heads_q, inv_alpha,
+    heads_q, num_splits, inv_alpha,
     N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_b = (pid // (heads_q * N_Q)).to(tl.int64)
     i_hq = ((pid // N_Q) % heads_q).to(tl.int64)
     i_r = (pid % N_Q).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < NUM_SPLITS
+    m_s = o_s < num_splits
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
 
@@ -347,12 +347,12 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         v.stride(0), v.stride(1), v.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3), o_part.stride(4),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
-        heads_kv, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
+        heads_kv, max_len, window, splits, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
         N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         ROT_HALF=rot_half, HALF_P=max(16, triton.next_power_of_2(rot_half)),
         PASS=n_pass, PASS_P=max(16, triton.next_power_of_2(max(n_pass, 1))),
         INTERLEAVED=interleaved, KEYS_ROTATED=keys_rotated, HAS_SEQLENS=cache_seqlens is not None,
-        NUM_SPLITS=splits, M_TILES=m_tiles, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        M_TILES=m_tiles, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         UPCAST=upcast, DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -362,9 +362,9 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        heads_q, 1.0 / alpha,
+        heads_q, splits, 1.0 / alpha,
         N_Q=n_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), RETURN_LSE=return_lse,
+        BLOCK_S=triton.next_power_of_2(splits), RETURN_LSE=return_lse,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out, (lse if return_lse else None)

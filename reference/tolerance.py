@@ -1,0 +1,36 @@
+"""How close an implementation must be to the float64 reference: a multiple of PyTorch's own error.
+
+For inputs in ``dtype``: ``|actual - truth| <= 2 * |pytorch_lp - truth| + FLOOR_EPS * eps(dtype) *
+max(1, |truth|)``, where ``truth`` is the reference in float64 and ``pytorch_lp`` the same reference
+computed in ``dtype`` (flash-attention's rule). The floor covers cases where PyTorch happens to be
+almost exact: kernels sum in another order and use exp2 with folded constants.
+"""
+
+import torch
+
+FLOOR_EPS = 16
+
+
+def error_bound(truth: torch.Tensor, pytorch_lp: torch.Tensor, dtype: torch.dtype) -> float:
+    pt_err = (pytorch_lp.to(torch.float64) - truth).abs().max().item()
+    floor = FLOOR_EPS * torch.finfo(dtype).eps * max(1.0, truth.abs().max().item())
+    return 2 * pt_err + floor
+
+
+def check_close(name: str, actual: torch.Tensor, truth: torch.Tensor, pytorch_lp: torch.Tensor, dtype: torch.dtype):
+    """Raise ``AssertionError`` naming ``name``, the bound and the worst element if ``actual`` is too far."""
+    actual = actual.detach().to(device="cpu", dtype=torch.float64)
+    truth = truth.detach().to(device="cpu", dtype=torch.float64)
+    pytorch_lp = pytorch_lp.detach().cpu()
+    n_nan = int(torch.isnan(actual).sum())
+    if n_nan:
+        raise AssertionError(f"{name}: {n_nan} NaN elements")
+    if not torch.isfinite(actual).all():
+        raise AssertionError(f"{name}: non-finite elements")
+    err = (actual - truth).abs()
+    bound = error_bound(truth, pytorch_lp, dtype)
+    worst = err.max().item()
+    if worst > bound:
+        idx = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
+        raise AssertionError(f"{name}: max error {worst:.3g} > bound {bound:.3g} ({dtype}) at {idx}: "
+                             f"got {actual[idx].item():.6g}, want {truth[idx].item():.6g}")
