@@ -198,3 +198,12 @@ def test_nan_poisoning_is_active():
     scope = {"__name__": "fold._probe", "torch": torch}
     exec("x = torch.empty(4)\ny = torch.empty_like(x)", scope)
     assert torch.isnan(scope["x"]).all() and torch.isnan(scope["y"]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(8, 8), (80, 64), (96, 96), (256, 128)])
+def test_head_dims_beyond_powers_of_two(backend, head_dim, rotary_dim):
+    """Tiles are padded to powers of two >= 16 and masked; real models use 80, 96, 256."""
+    case = PROPERTY_CASE.with_(head_dim=head_dim, rotary_dim=rotary_dim, max_len=120, seqlens=(120, 33))
+    with use_config(FoldConfig(32, 32, 2, 4, 2)):
+        check_against_reference(case, backend=backend)

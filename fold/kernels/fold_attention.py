@@ -329,6 +329,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     rot_half = rotary_dim // 2
     n_pass = head_dim - rotary_dim
     splits = config.num_splits
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
     # the rotary factor f scales q and k alike: q carries f for itself and, with unrotated keys,
     # for the key too (with rotated keys the cache already holds it; un-rotating is a pure rotation)
     q_rot_scale = attention_factor if keys_rotated else attention_factor * attention_factor
@@ -348,7 +349,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3), o_part.stride(4),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
         heads_kv, max_len, window, splits, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
-        N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         ROT_HALF=rot_half, HALF_P=max(16, triton.next_power_of_2(rot_half)),
         PASS=n_pass, PASS_P=max(16, triton.next_power_of_2(max(n_pass, 1))),
         INTERLEAVED=interleaved, KEYS_ROTATED=keys_rotated, HAS_SEQLENS=cache_seqlens is not None,
@@ -363,8 +364,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         heads_q, splits, 1.0 / alpha,
-        N_Q=n_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(splits), RETURN_LSE=return_lse,
+        N_Q=n_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), RETURN_LSE=return_lse,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out, (lse if return_lse else None)
