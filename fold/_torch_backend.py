@@ -68,10 +68,11 @@ def _segment_read(q, k, v, scale, key_pos, rope):
         return o.to(work), lse.to(work)
     state = _empty_state(q)
     inv_freq, rotary_dim, interleaved = rope
+    q_in = q.to(k.dtype)
     for c0 in range(0, k.shape[0], ROTATE_CHUNK):
         kc = k[c0:c0 + ROTATE_CHUNK].transpose(0, 1).to(work)                  # [H, C, d]
         kc = _rotate(kc, key_pos[c0:c0 + ROTATE_CHUNK], inv_freq, rotary_dim, interleaved).to(k.dtype)
-        o, lse = _fused_read(q.to(k.dtype), kc, v[c0:c0 + ROTATE_CHUNK].transpose(0, 1), scale)
+        o, lse = _fused_read(q_in, kc, v[c0:c0 + ROTATE_CHUNK].transpose(0, 1), scale)
         state = _merge_pair(*state, o.to(work), lse.to(work))
     return state
 
