@@ -1,0 +1,31 @@
+"""The few transformers calls the loop makes, across the 4.x and 5.x APIs."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def forward(target, ids, cache=None):
+    """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache)."""
+    kwargs = {_cache_kwarg(type(target).forward): cache} if cache is not None else {}
+    out = target(ids, use_cache=True, output_hidden_states=True, **kwargs)
+    new_cache = getattr(out, "past_key_values", None)
+    if new_cache is None:
+        new_cache = getattr(out, "cache", None)
+    return out.logits, out.hidden_states, new_cache
+
+
+def crop(cache, length: int) -> None:
+    """Keep the first ``length`` entries of every layer of ``cache``."""
+    current = cache.get_seq_length()
+    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:   # transformers >= 5.x
+        if current > length:
+            cache.crop(length - current)
+    else:
+        cache.crop(length)

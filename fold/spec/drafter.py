@@ -1,0 +1,213 @@
+"""Block-parallel drafters (z-lab DFlash, DeepSpec DFlash and DSpark) written in fold.
+
+One module serves both checkpoint families (they share the backbone):
+
+    c      = hidden_norm(fc(concat of tapped target layers))       # one context feature per entry
+    h      = embed(block ids)                                      # [anchor, MASK x (B-1)]
+    layer: q = q_norm(q_proj(ln(h)));  K, V = [k_norm(k_proj(c)) ; k_norm(k_proj(ln(h)))], [v_proj(c) ; v_proj(ln(h))]
+           h += o_proj(read(q, K, V));  h += mlp(post_ln(h))
+    logits = lm_head(norm(h))
+
+Each layer keeps its context K/V **before RoPE** in the layout ``fold.attention`` reads: one
+``[1, capacity, heads_kv, head_dim]`` buffer whose first ``n`` rows are the committed entries; the
+block's rows are written after them for the current round only. A context entry is projected once
+when it is committed and never again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fold
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    sample_from_anchor: bool          # DeepSpec: every slot drafts (slot k predicts start + k + 1)
+    markov_rank: int = 0              # DSpark's vanilla Markov head, 0 = none
+    has_embeddings: bool = False      # DeepSpec ships embed_tokens / lm_head copies
+    rope: fold.Rope | None = field(default=None, repr=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.heads_q * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.heads_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.heads_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.heads_q * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.heads_q, self.heads_kv, self.head_dim = cfg.heads_q, cfg.heads_kv, d
+
+    def kv(self, x):
+        """Pre-RoPE keys and values of rows ``x [1, T, H]`` -> ``[1, T, heads_kv, d]`` each."""
+        shape = (*x.shape[:-1], self.heads_kv, self.head_dim)
+        return self.k_norm(self.k_proj(x).view(shape)), self.v_proj(x).view(shape)
+
+    def q(self, x):
+        return self.q_norm(self.q_proj(x).view(*x.shape[:-1], self.heads_q, self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MarkovHead(nn.Module):
+    """DSpark's vanilla sequential head: ``logits_k += W2 W1[previous token]``."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def bias(self, prev_token):
+        return self.markov_w2(self.markov_w1(prev_token))
+
+
+@dataclass
+class DraftState:
+    """One sequence's drafter context: per-layer pre-RoPE K/V of its committed entries."""
+
+    k: list[torch.Tensor]     # per layer [1, capacity, heads_kv, d]
+    v: list[torch.Tensor]
+    length: int = 0           # committed context entries
+
+
+class Drafter(nn.Module):
+    """A loaded DFlash/DSpark drafter bound to its target's embedding and LM head."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        if cfg.has_embeddings:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+            self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        if cfg.markov_rank:
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        self._target: tuple[nn.Module, nn.Module] | None = None   # a tuple: not registered as submodules
+
+    # -- the target side ------------------------------------------------------------------------
+    def bind(self, target) -> None:
+        """Use the target's embedding and LM head (z-lab ships none; DeepSpec's copies are kept)."""
+        self._target = (target.get_input_embeddings(), target.get_output_embeddings())
+
+    def embed(self, ids):
+        return self.embed_tokens(ids) if self.cfg.has_embeddings else self._target[0](ids)
+
+    def head(self, x):
+        return self.lm_head(x) if self.cfg.has_embeddings else self._target[1](x)
+
+    def features(self, hidden_states) -> torch.Tensor:
+        """Tap the target's ``hidden_states`` tuple (output of layer i is entry i + 1) -> [B, T, k*H]."""
+        return torch.cat([hidden_states[i + 1] for i in self.cfg.target_layer_ids], dim=-1)
+
+    # -- the context cache ----------------------------------------------------------------------
+    def new_state(self, capacity: int, device, dtype) -> DraftState:
+        shape = (1, capacity + self.cfg.block_size, self.cfg.heads_kv, self.cfg.head_dim)
+        return DraftState(k=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+                          v=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers])
+
+    @torch.no_grad()
+    def append_context(self, state: DraftState, target_features: torch.Tensor) -> None:
+        """Project ``target_features [1, T, k*H]`` of newly committed entries once, into every layer's cache."""
+        c = self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+        n, t = state.length, c.shape[1]
+        if n + t + self.cfg.block_size > state.k[0].shape[1]:
+            grow = max(n + t + self.cfg.block_size, 2 * state.k[0].shape[1])
+            state.k = [torch.cat([x, x.new_zeros(1, grow - x.shape[1], *x.shape[2:])], 1) for x in state.k]
+            state.v = [torch.cat([x, x.new_zeros(1, grow - x.shape[1], *x.shape[2:])], 1) for x in state.v]
+        for layer, k_buf, v_buf in zip(self.layers, state.k, state.v):
+            k, v = layer.self_attn.kv(c)
+            k_buf[:, n:n + t] = k
+            v_buf[:, n:n + t] = v
+        state.length = n + t
+
+    # -- one draft round ------------------------------------------------------------------------
+    @torch.no_grad()
+    def block_hidden(self, state: DraftState, anchor: int, read) -> torch.Tensor:
+        """Final hidden states ``[n_q, H]`` of the block ``[anchor, MASK x (B-1)]``.
+
+        ``read(q, k, v, layer_index) -> o`` is the context policy: ``q [1, n_q, Hq, d]`` pre-RoPE,
+        ``k, v [1, L, Hkv, d]`` pre-RoPE with the block's own rows last (row r at position n + r).
+        """
+        cfg, n = self.cfg, state.length
+        device = state.k[0].device
+        ids = torch.full((1, cfg.block_size), cfg.mask_token_id, device=device)
+        ids[0, 0] = anchor
+        h = self.embed(ids).to(self.fc.weight.dtype)
+        for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, state.k, state.v)):
+            x = layer.input_layernorm(h)
+            k_blk, v_blk = layer.self_attn.kv(x)
+            k_buf[:, n:n + cfg.block_size] = k_blk
+            v_buf[:, n:n + cfg.block_size] = v_blk
+            o = read(layer.self_attn.q(x), k_buf[:, :n + cfg.block_size], v_buf[:, :n + cfg.block_size], i)
+            h = h + layer.self_attn.o_proj(o.reshape(1, cfg.block_size, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)[0]
+
+    @torch.no_grad()
+    def draft(self, state: DraftState, anchor: int, read) -> list[int]:
+        """Greedy draft tokens of one round: B-1 (z-lab) or B (DeepSpec; DSpark's Markov-corrected)."""
+        hidden = self.block_hidden(state, anchor, read)
+        if not self.cfg.sample_from_anchor:
+            return self.head(hidden[1:]).argmax(-1).tolist()
+        logits = self.head(hidden)
+        if not self.cfg.markov_rank:
+            return logits.argmax(-1).tolist()
+        tokens, prev = [], torch.tensor(anchor, device=hidden.device)
+        for k in range(logits.shape[0]):
+            prev = (logits[k] + self.markov_head.bias(prev)).argmax(-1)
+            tokens.append(int(prev))
+        return tokens

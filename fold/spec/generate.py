@@ -1,0 +1,111 @@
+"""``spec.generate``: speculative decoding of a transformers target with a block drafter.
+
+One round, per sequence::
+
+    drafts = drafter(anchor + MASKs, its context, read by the policy)     # one forward
+    post   = target([anchor] + drafts)                                    # one forward, verifies all
+    a      = longest prefix with drafts[i] == post[i]                     # greedy acceptance
+    commit drafts[:a] + [post[a]];  crop the target cache to the committed entries
+    append the target features of anchor + a accepted drafts to the drafter's context
+
+Greedy acceptance commits only tokens the target itself picks, so the output equals the target's
+own greedy generation (lossless). Batch rows run one after another, each with its own caches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fold.spec import _hf
+from fold.spec.drafter import Drafter
+from fold.spec.policies import make_read
+
+
+@dataclass
+class GenerateResult:
+    sequences: torch.Tensor          # [batch, prompt + generated], right-padded after a stop
+    tau: float                       # tokens committed per verification round, the target's included
+    stats: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read):
+    t0 = time.perf_counter()
+    logits, hidden_states, cache = _hf.forward(target, ids[None])
+    state = drafter.new_state(len(ids) + max_new_tokens, ids.device, drafter.fc.weight.dtype)
+    drafter.append_context(state, drafter.features(hidden_states))
+    new = [int(logits[0, -1].argmax())]
+    prefill_s = time.perf_counter() - t0
+    rounds: list[int] = []
+    drafted = 0
+    t1 = time.perf_counter()
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        anchor = new[-1]
+        drafts = drafter.draft(state, anchor, read)
+        drafted += len(drafts)
+        logits, hidden_states, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device), cache)
+        post = logits[0].argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == post[a]:
+            a += 1
+        _hf.crop(cache, state.length + a + 1)                 # anchor + accepted drafts stay
+        drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
+        rounds.append(a + 1)
+        for token in drafts[:a] + [post[a]]:
+            new.append(token)
+            if len(new) >= max_new_tokens or token in eos:
+                break
+    decode_s = time.perf_counter() - t1
+    stats = dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
+                 tpot_s=decode_s / max(1, len(new) - 1))
+    return new, stats
+
+
+def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str = "fold",
+             attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
+             **policy_options) -> GenerateResult:
+    """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
+
+    Args:
+        target: a transformers causal LM with RoPE (Llama, Qwen3, ...), in eval mode.
+        drafter: from :func:`fold.spec.load_drafter` for this target.
+        input_ids: [batch, prompt_len]; with ``attention_mask`` [batch, prompt_len], padding (left or
+            right) is dropped per row.
+        max_new_tokens: per sequence.
+        policy: how the drafter reads its context (``fold.spec.policies``): "dflash", "window", "fold".
+        eos_token_id: int or list of ints that stop a sequence (kept in the output).
+        temperature: 0 (greedy). Sampling with rejection is not built yet.
+        **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto").
+
+    Returns:
+        :class:`GenerateResult`: ``sequences`` [batch, prompt + generated] right-padded with the
+        first eos id (or 0); ``tau``; ``stats`` per sequence.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be a [batch, prompt_len] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if temperature != 0.0:
+        raise ValueError("temperature > 0 (rejection sampling) is not built yet; use temperature=0.0")
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    read = make_read(policy, drafter.cfg.rope, **policy_options)
+    rows, all_stats = [], []
+    for b in range(input_ids.shape[0]):
+        ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
+        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read)
+        rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
+        all_stats.append(stats)
+    pad = min(eos) if eos else 0
+    width = max(len(r) for r in rows)
+    sequences = torch.full((len(rows), width), pad, dtype=input_ids.dtype, device=input_ids.device)
+    for b, r in enumerate(rows):
+        sequences[b, :len(r)] = r
+    committed = sum(sum(s["accepted_per_round"]) for s in all_stats)
+    n_rounds = sum(s["rounds"] for s in all_stats)
+    return GenerateResult(sequences=sequences, tau=committed / max(1, n_rounds), stats=dict(per_sequence=all_stats))

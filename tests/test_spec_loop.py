@@ -1,0 +1,55 @@
+"""The speculative loop is lossless: greedy output equals the target's own, for every built policy."""
+
+import pytest
+import torch
+
+from fold import spec
+from fold.spec.policies import BUILT
+from tests.spec_fixtures import greedy_ar, make_drafter, make_target
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tmp_path_factory):
+    return make_target(request.param, tmp_path_factory.mktemp(f"target-{request.param}"))
+
+
+@pytest.fixture(scope="module", params=["zlab", "deepspec-dflash", "dspark"])
+def drafter(request, target, tmp_path_factory):
+    return spec.load_drafter(make_drafter(tmp_path_factory.mktemp(request.param), target, request.param), target)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 90, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("policy", BUILT)
+def test_lossless_batch_one(target, drafter, policy):
+    (ids,) = _prompts([40])
+    result = spec.generate(target, drafter, ids[None], max_new_tokens=24, policy=policy, window=8)
+    assert torch.equal(result.sequences[0], greedy_ar(target, ids, 24))
+    assert result.tau >= 1.0
+
+
+@pytest.mark.parametrize("policy", BUILT)
+def test_lossless_batch_three_left_padded(target, drafter, policy):
+    prompts = _prompts([40, 17, 29], seed=1)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    result = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, policy=policy, window=8)
+    for b, p in enumerate(prompts):
+        want = greedy_ar(target, p, 20)
+        assert torch.equal(result.sequences[b, :len(want)], want)
+
+
+def test_eos_stops_a_sequence_and_pads_it(target, drafter):
+    (ids,) = _prompts([30], seed=2)
+    full = greedy_ar(target, ids, 16)
+    eos = int(full[len(ids) + 3])                         # the 4th generated token
+    result = spec.generate(target, drafter, ids[None], max_new_tokens=16, eos_token_id=eos, window=8)
+    want = greedy_ar(target, ids, 16, eos=(eos,))
+    assert torch.equal(result.sequences[0, :len(want)], want)
+    assert (result.sequences[0, len(want):] == eos).all()
