@@ -87,8 +87,11 @@ def _masked_read(q, k, v, scale, visible):
 
 
 def fold_attention_torch(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
-                         interleaved, attention_factor, keys_rotated, return_lse):
-    """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out."""
+                         interleaved, attention_factor, keys_rotated, return_lse, far_distance_per_row=True):
+    """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
+
+    ``far_distance_per_row=False`` reads every far entry at distance ``D`` from every row instead of
+    ``D + r`` (ReRoPE's rule, used by that baseline of the adapter)."""
     batch, n_q, heads_q, head_dim = q.shape
     max_len, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -105,7 +108,7 @@ def fold_attention_torch(q, k, v, inv_freq, cache_seqlens, *, window, alpha, sof
         win_lo, far_hi = n - window - n_q + 1, n - window
         a, c = max(0, win_lo), max(0, far_hi)
         qm = q[b].to(work).view(n_q, heads_kv, group, head_dim).transpose(0, 1).reshape(heads_kv, n_q * group, head_dim)
-        q_far = _rotate(qm, window + n_q + row_r, *rope, factor=q_rot_scale)
+        q_far = _rotate(qm, window + n_q + (row_r if far_distance_per_row else 0 * row_r), *rope, factor=q_rot_scale)
         q_win = _rotate(qm, row_r + (n if keys_rotated else 0), *rope, factor=q_rot_scale)  # unrotated: relative to n
         kb, vb = k[b, :length], v[b, :length]
         j = torch.arange(length, device=q.device)

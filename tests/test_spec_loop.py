@@ -18,6 +18,11 @@ def drafter(request, target, tmp_path_factory):
     return spec.load_drafter(make_drafter(tmp_path_factory.mktemp(request.param), target, request.param), target)
 
 
+# options that put every policy on its long-context path for 17-40-token prompts
+OPTIONS = {"dflash": {}, "window": {"window": 8}, "fold": {"window": 8}, "streaming": {"sinks": 2, "recent": 10},
+           "yarn": {"reference_len": 32}, "rerope": {"window": 8, "training_length": 16}}
+
+
 def _prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 90, (n,), generator=g) for n in lengths]
@@ -26,7 +31,7 @@ def _prompts(lengths, seed=0):
 @pytest.mark.parametrize("policy", BUILT)
 def test_lossless_batch_one(target, drafter, policy):
     (ids,) = _prompts([40])
-    result = spec.generate(target, drafter, ids[None], max_new_tokens=24, policy=policy, window=8)
+    result = spec.generate(target, drafter, ids[None], max_new_tokens=24, policy=policy, **OPTIONS[policy])
     assert torch.equal(result.sequences[0], greedy_ar(target, ids, 24))
     assert result.tau >= 1.0
 
@@ -39,7 +44,8 @@ def test_lossless_batch_three_left_padded(target, drafter, policy):
     mask = torch.zeros(3, width, dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
-    result = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, policy=policy, window=8)
+    result = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, policy=policy,
+                           **OPTIONS[policy])
     for b, p in enumerate(prompts):
         want = greedy_ar(target, p, 20)
         assert torch.equal(result.sequences[b, :len(want)], want)

@@ -75,10 +75,12 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         input_ids: [batch, prompt_len]; with ``attention_mask`` [batch, prompt_len], padding (left or
             right) is dropped per row.
         max_new_tokens: per sequence.
-        policy: how the drafter reads its context (``fold.spec.policies``): "dflash", "window", "fold".
+        policy: how the drafter reads its context (``fold.spec.policies``): "dflash", "window", "fold",
+            "streaming", "yarn", "rerope".
         eos_token_id: int or list of ints that stop a sequence (kept in the output).
         temperature: 0 (greedy). Sampling with rejection is not built yet.
-        **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto").
+        **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
+            ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096).
 
     Returns:
         :class:`GenerateResult`: ``sequences`` [batch, prompt + generated] right-padded with the
@@ -94,10 +96,13 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
     if temperature != 0.0:
         raise ValueError("temperature > 0 (rejection sampling) is not built yet; use temperature=0.0")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    read = make_read(policy, drafter.cfg.rope, **policy_options)
+    make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
+              **policy_options)                                   # bad policy or option: fail before any work
     rows, all_stats = [], []
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
+        request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
+        read = make_read(policy, drafter.cfg.rope, request=request, **policy_options)
         new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read)
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
         all_stats.append(stats)

@@ -1,23 +1,39 @@
 """How the drafter reads its context: one ``read(q, k, v, layer) -> o`` per policy.
 
 Every read gets the block's pre-RoPE queries ``q [1, n_q, Hq, d]`` and the layer's pre-RoPE cache
-``k, v [1, L, Hkv, d]`` whose last ``n_q`` rows are the block (row r at position ``n + r``), and
-returns ``o [1, n_q, Hq, d]``.
+``k, v [1, L, Hkv, d]`` whose last ``n_q`` rows are the block (row r at true position ``n + r``),
+and returns ``o [1, n_q, Hq, d]``. Settings follow the FOLD paper's Appendix B.3:
 
-Built: ``dflash`` (the original drafter: full context, true positions), ``window`` (FOLD's window
-``N_p`` alone) and ``fold``. The paper's other baselines (``streaming``, ``yarn``, ``rerope``,
-``infllm``, ``cmr``) are not built yet and are refused by name.
+- ``dflash``: the original drafter, every entry at its true position.
+- ``window``: FOLD's window ``N_p`` alone (row r sees ``j > n + r - D``), one softmax.
+- ``fold``: ``fold.attention`` (window ``W``, far memory at the shared position, ``alpha``); while a
+  sequence fits in the window it runs the plain read (length dispatch).
+- ``streaming``: StreamingLLM, the first 4 entries and the 2,044 most recent, renumbered
+  consecutively, the block after them.
+- ``yarn``: every entry at its true position under YaRN frequencies with the per-request factor
+  ``s = max(1, ceil((P + G + Q) / 256) * 256 / R)`` on top of the drafter's own ``inv_freq``.
+- ``rerope``: FOLD's window at true distances, every older entry at distance ``D`` from every row,
+  one softmax, queries scaled by ``max(1, log(p + 1) / log(4096))``.
+
+Not built yet: ``infllm`` and ``cmr`` (refused by name).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import fold
-from fold._torch_backend import _rotate
+from fold._torch_backend import _rotate, fold_attention_torch
 
-BUILT = ("dflash", "window", "fold")
-PLANNED = ("streaming", "yarn", "rerope", "infllm", "cmr")
+BUILT = ("dflash", "window", "fold", "streaming", "yarn", "rerope")
+PLANNED = ("infllm", "cmr")
+
+
+def plain_read(q, k, v, rope, backend="auto"):
+    """Every entry at its true position: FOLD with a window covering the whole cache."""
+    return fold.attention(q, k, v, window=k.shape[1], rope=rope, alpha=1.0, backend=backend)
 
 
 def window_read(q, k, v, *, rope, window, softmax_scale=None):
@@ -42,14 +58,77 @@ def window_read(q, k, v, *, rope, window, softmax_scale=None):
     return o.transpose(0, 1)[None].to(q.dtype)
 
 
-def make_read(policy: str, rope: fold.Rope, *, window: int = 2048, alpha: float = 2.0, backend: str = "auto"):
-    """The read function of ``policy`` with its options (the paper's defaults: W = 2048, alpha = 2)."""
+def streaming_read(q, k, v, *, rope, sinks=4, recent=2044, backend="auto"):
+    """StreamingLLM: sinks and recent entries renumbered consecutively (pre-RoPE cache), block after."""
+    n = k.shape[1] - q.shape[1]
+    if n <= sinks + recent:
+        return plain_read(q, k, v, rope, backend)
+    keep = torch.cat([torch.arange(sinks), torch.arange(n - recent, k.shape[1])]).to(k.device)
+    return plain_read(q, k[:, keep], v[:, keep], rope, backend)
+
+
+def yarn_factor(prompt_len: int, max_new_tokens: int, block_size: int, reference_len: int) -> float:
+    """The paper's per-request factor ``max(1, ceil((P + G + Q) / 256) * 256 / R)``."""
+    return max(1.0, math.ceil((prompt_len + max_new_tokens + block_size) / 256) * 256 / reference_len)
+
+
+def yarn_rope(rope: fold.Rope, factor: float, reference_len: int, theta: float, beta_fast=32.0, beta_slow=1.0):
+    """YaRN (transformers' ramp over dimension index) applied on top of ``rope``'s own inv_freq."""
+    if factor <= 1.0:
+        return rope
+    dim = rope.rotary_dim
+
+    def correction_dim(rotations):
+        return dim * math.log(reference_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = rope.inv_freq / factor * (1 - extrapolate) + rope.inv_freq * extrapolate
+    mscale = 0.1 * math.log(factor) + 1.0
+    return fold.Rope(inv_freq, rotary_dim=dim, interleaved=rope.interleaved,
+                     attention_factor=rope.attention_factor * mscale)
+
+
+def rerope_read(q, k, v, *, rope, window, training_length=4096):
+    """ReRoPE as the paper adapts it: window at true distances, older entries at distance D, one softmax."""
+    n_q = q.shape[1]
+    n = k.shape[1] - n_q
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    p = torch.arange(n, n + n_q, device=q.device, dtype=torch.float64)                  # true positions
+    q_scale = (torch.log(p + 1) / math.log(training_length)).clamp(min=1.0).to(work)     # [n_q]
+    q = (q.to(work) * q_scale[None, :, None, None]).to(q.dtype)
+    out, _ = fold_attention_torch(q, k, v, rope.inv_freq_on(q.device), None, window=window, alpha=1.0,
+                                  softmax_scale=q.shape[-1] ** -0.5, rotary_dim=rope.rotary_dim,
+                                  interleaved=rope.interleaved, attention_factor=rope.attention_factor,
+                                  keys_rotated=False, return_lse=False, far_distance_per_row=False)
+    return out
+
+
+def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048, alpha: float = 2.0,
+              backend: str = "auto", sinks: int = 4, recent: int = 2044, reference_len: int = 4096,
+              rope_theta: float | None = None, training_length: int = 4096):
+    """The read of ``policy``; ``request`` = dict(prompt_len, max_new_tokens, block_size) for YaRN."""
     if policy == "dflash":
-        return lambda q, k, v, layer: fold.attention(q, k, v, window=k.shape[1], rope=rope, alpha=1.0, backend=backend)
+        return lambda q, k, v, layer: plain_read(q, k, v, rope, backend)
     if policy == "fold":
-        return lambda q, k, v, layer: fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
+        def read(q, k, v, layer):
+            if k.shape[1] - q.shape[1] <= window:          # length dispatch: nothing is far yet
+                return plain_read(q, k, v, rope, backend)
+            return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
+        return read
     if policy == "window":
         return lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=window)
+    if policy == "streaming":
+        return lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=sinks, recent=recent, backend=backend)
+    if policy == "yarn":
+        factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"], reference_len)
+        theta = rope_theta if rope_theta is not None else 1.0 / float(rope.inv_freq[1]) ** (rope.rotary_dim / 2)
+        scaled = yarn_rope(rope, factor, reference_len, theta)
+        return lambda q, k, v, layer: plain_read(q, k, v, scaled, backend)
+    if policy == "rerope":
+        return lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window, training_length=training_length)
     if policy in PLANNED:
         raise ValueError(f"policy {policy!r} is not built yet; built: {BUILT}")
     raise ValueError(f"policy must be one of {BUILT + PLANNED}, got {policy!r}")
