@@ -12,10 +12,10 @@ VOCAB = 97
 TARGET_LAYERS = 4
 
 
-def make_target(kind: str, path, seed: int = 0):
+def make_target(kind: str, path, seed: int = 0, vocab: int = VOCAB):
     """A tiny Llama or Qwen3 causal LM, saved with save_pretrained and loaded back (float32)."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                   initializer_range=0.3, tie_word_embeddings=False)
     if kind == "llama":
@@ -58,7 +58,7 @@ def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2),
                     attention_bias=False, hidden_act="silu", vocab_size=tc.vocab_size, max_position_embeddings=4096,
                     num_target_layers=tc.num_hidden_layers)
     state = _backbone(tc.hidden_size, layers, 4, 2, 16, 96, len(taps), gen)
-    mask_id = VOCAB - 1
+    mask_id = tc.vocab_size - 1
     if fmt == "zlab":          # transformers-5 style revision: block size inside dflash_config
         config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], **geometry,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -77,8 +77,8 @@ def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2),
         state["confidence_head.proj.weight"] = torch.randn(1, tc.hidden_size + rank, generator=gen)
         state["confidence_head.proj.bias"] = torch.zeros(1)
         if rank:
-            state["markov_head.markov_w1.weight"] = torch.randn(VOCAB, rank, generator=gen)
-            state["markov_head.markov_w2.weight"] = torch.randn(VOCAB, rank, generator=gen) * 0.5
+            state["markov_head.markov_w1.weight"] = torch.randn(tc.vocab_size, rank, generator=gen)
+            state["markov_head.markov_w2.weight"] = torch.randn(tc.vocab_size, rank, generator=gen) * 0.5
     config.update(config_overrides or {})
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(path / "model.safetensors"))

@@ -15,9 +15,7 @@ def forward(target, ids, cache=None):
     """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache)."""
     kwargs = {_cache_kwarg(type(target).forward): cache} if cache is not None else {}
     out = target(ids, use_cache=True, output_hidden_states=True, **kwargs)
-    new_cache = getattr(out, "past_key_values", None)
-    if new_cache is None:
-        new_cache = getattr(out, "cache", None)
+    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
     return out.logits, out.hidden_states, new_cache
 
 

@@ -198,16 +198,24 @@ class Drafter(nn.Module):
         return self.norm(h)[0]
 
     @torch.no_grad()
-    def draft(self, state: DraftState, anchor: int, read) -> list[int]:
-        """Greedy draft tokens of one round: B-1 (z-lab) or B (DeepSpec; DSpark's Markov-corrected)."""
+    def draft(self, state: DraftState, anchor: int, read, temperature: float = 0.0, generator=None):
+        """Draft tokens of one round: B-1 (z-lab) or B (DeepSpec), DSpark's Markov-corrected.
+
+        Returns ``(tokens, probs)``: at temperature 0 the argmax tokens and ``None``; otherwise tokens
+        sampled from ``probs [n_drafts, vocab]``, the distributions actually used (for rejection).
+        """
         hidden = self.block_hidden(state, anchor, read)
-        if not self.cfg.sample_from_anchor:
-            return self.head(hidden[1:]).argmax(-1).tolist()
-        logits = self.head(hidden)
-        if not self.cfg.markov_rank:
-            return logits.argmax(-1).tolist()
-        tokens, prev = [], torch.tensor(anchor, device=hidden.device)
+        logits = self.head(hidden[1:] if not self.cfg.sample_from_anchor else hidden).float()   # [n, V]
+        markov = self.cfg.markov_rank > 0
+        if temperature == 0.0 and not markov:
+            return logits.argmax(-1).tolist(), None
+        tokens, probs, prev = [], [], torch.tensor(anchor, device=hidden.device)
         for k in range(logits.shape[0]):
-            prev = (logits[k] + self.markov_head.bias(prev)).argmax(-1)
+            row = logits[k] + self.markov_head.bias(prev).float() if markov else logits[k]
+            if temperature == 0.0:
+                prev = row.argmax(-1)
+            else:
+                probs.append(torch.softmax(row / temperature, dim=-1))
+                prev = torch.multinomial(probs[-1], 1, generator=generator)[0]
             tokens.append(int(prev))
-        return tokens
+        return tokens, (torch.stack(probs) if probs else None)

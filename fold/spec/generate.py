@@ -9,7 +9,8 @@ One round, per sequence::
     append the target features of anchor + a accepted drafts to the drafter's context
 
 Greedy acceptance commits only tokens the target itself picks, so the output equals the target's
-own greedy generation (lossless). Batch rows run one after another, each with its own caches.
+own greedy generation (lossless); at temperature > 0 rejection sampling keeps the target's
+distribution. Batch rows run one after another, each with its own caches.
 """
 
 from __future__ import annotations
@@ -31,42 +32,70 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+def _sample(logits, temperature, generator):
+    # logits [V] -> token; greedy at temperature 0
+    if temperature == 0.0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator))
+
+
+def _accept(drafts, draft_probs, target_logits, temperature, generator):
+    """How many drafts to keep and the target's token after them.
+
+    Greedy: the longest prefix equal to the target's argmax, then the target's argmax. Sampling:
+    standard rejection sampling, keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+    rejection draw from max(p_i - q_i, 0) renormalised; if all are kept, draw the bonus from p_n.
+    """
+    if temperature == 0.0:
+        post = target_logits.argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == post[a]:
+            a += 1
+        return a, post[a]
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)             # [n + 1, V]
+    for i, x in enumerate(drafts):
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * draft_probs[i, x] < p[i, x]:
+            continue
+        residual = (p[i] - draft_probs[i]).clamp(min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
 @torch.no_grad()
-def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read):
+def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read,
+                  temperature: float, generator):
     t0 = time.perf_counter()
     logits, hidden_states, cache = _hf.forward(target, ids[None])
     state = drafter.new_state(len(ids) + max_new_tokens, ids.device, drafter.fc.weight.dtype)
     drafter.append_context(state, drafter.features(hidden_states))
-    new = [int(logits[0, -1].argmax())]
+    new = [_sample(logits[0, -1], temperature, generator)]
     prefill_s = time.perf_counter() - t0
     rounds: list[int] = []
     drafted = 0
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
         anchor = new[-1]
-        drafts = drafter.draft(state, anchor, read)
+        drafts, draft_probs = drafter.draft(state, anchor, read, temperature, generator)
         drafted += len(drafts)
         logits, hidden_states, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device), cache)
-        post = logits[0].argmax(-1).tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == post[a]:
-            a += 1
+        a, token = _accept(drafts, draft_probs, logits[0], temperature, generator)
         _hf.crop(cache, state.length + a + 1)                 # anchor + accepted drafts stay
         drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
         rounds.append(a + 1)
-        for token in drafts[:a] + [post[a]]:
-            new.append(token)
-            if len(new) >= max_new_tokens or token in eos:
+        for t in drafts[:a] + [token]:
+            new.append(t)
+            if len(new) >= max_new_tokens or t in eos:
                 break
     decode_s = time.perf_counter() - t1
     stats = dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
-                 tpot_s=decode_s / max(1, len(new) - 1))
+                 decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
     return new, stats
 
 
 def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str = "fold",
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
-             **policy_options) -> GenerateResult:
+             generator: torch.Generator | None = None, **policy_options) -> GenerateResult:
     """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
 
     Args:
@@ -78,7 +107,10 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         policy: how the drafter reads its context (``fold.spec.policies``): "dflash", "window", "fold",
             "streaming", "yarn", "rerope".
         eos_token_id: int or list of ints that stop a sequence (kept in the output).
-        temperature: 0 (greedy). Sampling with rejection is not built yet.
+        temperature: 0 is greedy (lossless: equals the target's greedy output); above 0 the drafts
+            are sampled and verified by rejection sampling, so every token follows the target's
+            distribution at that temperature.
+        generator: a ``torch.Generator`` for reproducible sampling.
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096).
 
@@ -93,8 +125,8 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
                          f"got {tuple(attention_mask.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature != 0.0:
-        raise ValueError("temperature > 0 (rejection sampling) is not built yet; use temperature=0.0")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
               **policy_options)                                   # bad policy or option: fail before any work
@@ -103,7 +135,7 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
         request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
         read = make_read(policy, drafter.cfg.rope, request=request, **policy_options)
-        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read)
+        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator)
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
         all_stats.append(stats)
     pad = min(eos) if eos else 0

@@ -1,0 +1,66 @@
+"""Temperature > 0: speculative sampling keeps the target's distribution (rejection sampling)."""
+
+import itertools
+
+import pytest
+import torch
+
+from fold import spec
+from fold.spec import _hf
+from tests.spec_fixtures import make_drafter, make_target
+
+VOCAB = 8
+CHI2_CRIT_DF7_P001 = 24.322     # chi-square critical value, 7 degrees of freedom, p = 0.001
+TEMPERATURE = 1.5
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = make_target("qwen3", tmp_path_factory.mktemp("t8"), vocab=VOCAB, seed=3)
+    drafter = spec.load_drafter(make_drafter(tmp_path_factory.mktemp("d8"), target, "dspark", block_size=3), target)
+    return target, drafter
+
+
+@torch.no_grad()
+def _exact_marginals(target, prompt, steps):
+    """P(x_t) of generated tokens t = 1..steps under the target at TEMPERATURE, by enumeration."""
+    def dist(prefix):
+        logits, _, _ = _hf.forward(target, torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])[None])
+        return torch.softmax(logits[0, -1].double() / TEMPERATURE, -1)
+
+    marginals = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(steps)]
+    for prefix_len in range(steps):
+        for prefix in itertools.product(range(VOCAB), repeat=prefix_len):
+            weight = 1.0
+            for t in range(prefix_len):
+                weight *= float(dist(list(prefix[:t]))[prefix[t]])
+            marginals[prefix_len] += weight * dist(list(prefix))
+    return marginals
+
+
+def test_generated_tokens_follow_the_targets_distribution(pair):
+    target, drafter = pair
+    prompt = torch.tensor([1, 5, 2, 6, 3, 0, 4, 2, 5, 1, 6, 3])
+    steps, samples = 3, 600
+    exact = _exact_marginals(target, prompt, steps)
+    g = torch.Generator().manual_seed(0)
+    result = spec.generate(target, drafter, prompt.repeat(samples, 1), max_new_tokens=steps, policy="fold",
+                           window=4, temperature=TEMPERATURE, generator=g)
+    generated = result.sequences[:, len(prompt):]
+    drafted = sum(s["drafted_tokens"] for s in result.stats["per_sequence"])
+    accepted = sum(sum(r - 1 for r in s["accepted_per_round"]) for s in result.stats["per_sequence"])
+    assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
+    for t in range(1, steps):                                   # tokens that went through verification
+        counts = torch.bincount(generated[:, t], minlength=VOCAB).double()
+        expected = exact[t] * samples
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < CHI2_CRIT_DF7_P001, f"token {t}: chi2 {chi2:.1f}, counts {counts.tolist()}, " \
+                                          f"expected {[round(x, 1) for x in expected.tolist()]}"
+
+
+def test_sampling_is_reproducible_with_a_generator(pair):
+    target, drafter = pair
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]])
+    runs = [spec.generate(target, drafter, prompt, max_new_tokens=6, temperature=1.0, window=4,
+                          generator=torch.Generator().manual_seed(5)).sequences for _ in range(2)]
+    assert torch.equal(*runs)
