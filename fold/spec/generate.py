@@ -64,7 +64,7 @@ def _accept(drafts, draft_probs, target_logits, temperature, generator):
 
 @torch.no_grad()
 def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read,
-                  temperature: float, generator):
+                  temperature: float, generator, bar=None):
     t0 = time.perf_counter()
     logits, hidden_states, cache = _hf.forward(target, ids[None])
     state = drafter.new_state(len(ids) + max_new_tokens, ids.device, drafter.fc.weight.dtype)
@@ -83,10 +83,13 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
         _hf.crop(cache, state.length + a + 1)                 # anchor + accepted drafts stay
         drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
         rounds.append(a + 1)
+        before = len(new)
         for t in drafts[:a] + [token]:
             new.append(t)
             if len(new) >= max_new_tokens or t in eos:
                 break
+        if bar is not None:
+            bar.update(len(new) - before)
     decode_s = time.perf_counter() - t1
     stats = dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
                  decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
@@ -95,7 +98,7 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
 
 def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str = "fold",
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
-             generator: torch.Generator | None = None, **policy_options) -> GenerateResult:
+             generator: torch.Generator | None = None, progress: bool = False, **policy_options) -> GenerateResult:
     """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
 
     Args:
@@ -111,6 +114,7 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
             are sampled and verified by rejection sampling, so every token follows the target's
             distribution at that temperature.
         generator: a ``torch.Generator`` for reproducible sampling.
+        progress: show a progress bar of generated tokens (tqdm).
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096).
 
@@ -131,13 +135,26 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
     make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
               **policy_options)                                   # bad policy or option: fail before any work
     rows, all_stats = [], []
+    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, f"{policy}") if progress else None
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
         request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
         read = make_read(policy, drafter.cfg.rope, request=request, **policy_options)
-        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator)
+        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator, bar)
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
         all_stats.append(stats)
+    if bar is not None:
+        bar.close()
+    return _assemble(rows, all_stats, eos, input_ids)
+
+
+def _progress_bar(total, desc):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok")
+
+
+def _assemble(rows, all_stats, eos, input_ids) -> GenerateResult:
     pad = min(eos) if eos else 0
     width = max(len(r) for r in rows)
     sequences = torch.full((len(rows), width), pad, dtype=input_ids.dtype, device=input_ids.device)
@@ -146,3 +163,30 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
     committed = sum(sum(s["accepted_per_round"]) for s in all_stats)
     n_rounds = sum(s["rounds"] for s in all_stats)
     return GenerateResult(sequences=sequences, tau=committed / max(1, n_rounds), stats=dict(per_sequence=all_stats))
+
+
+@torch.no_grad()
+def autoregressive(target, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask=None, eos_token_id=None,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> GenerateResult:
+    """The target alone, one token per forward: the baseline TPOT and output of ``generate``.
+
+    Same arguments and result as :func:`generate` (``tau`` is 1, ``stats`` per sequence).
+    """
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    rows, all_stats = [], []
+    for b in range(input_ids.shape[0]):
+        ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
+        t0 = time.perf_counter()
+        logits, _, cache = _hf.forward(target, ids[None])
+        new = [_sample(logits[0, -1], temperature, generator)]
+        prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        while len(new) < max_new_tokens and new[-1] not in eos:
+            logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]], device=ids.device), cache)
+            new.append(_sample(logits[0, -1], temperature, generator))
+        decode_s = time.perf_counter() - t1
+        rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
+        all_stats.append(dict(rounds=len(new) - 1, accepted_per_round=[1] * (len(new) - 1), drafted_tokens=0,
+                              prefill_s=prefill_s, decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1),
+                              new_tokens=len(new)))
+    return _assemble(rows, all_stats, eos, input_ids)

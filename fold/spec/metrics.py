@@ -1,0 +1,40 @@
+"""τ, TPOT, speedup against AR, and paired-bootstrap confidence intervals (paper Appendix B.5)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def per_sequence_tau(result) -> list[float]:
+    """Tokens committed per verification round of each sequence, the target's token included."""
+    return [sum(s["accepted_per_round"]) / max(1, s["rounds"]) for s in result.stats["per_sequence"]]
+
+
+def per_sequence_speedup(result, ar_result) -> list[float]:
+    """``TPOT_AR / TPOT`` per sequence (TPOT: decode time after the first token / further tokens)."""
+    return [a["tpot_s"] / s["tpot_s"] for s, a in zip(result.stats["per_sequence"], ar_result.stats["per_sequence"])]
+
+
+def bootstrap_ci(groups: Sequence[Sequence[float]], *, n_resamples: int = 2000, confidence: float = 0.95,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """Mean over groups (each group = one task, equal weight) of per-request values, with its
+    bootstrap CI: requests are resampled with replacement separately within each group.
+
+    For a paired comparison pass per-request paired quantities (e.g. speedup ratios, or
+    differences of τ between two methods on the same requests). Returns ``(mean, low, high)``.
+    """
+    tensors = [torch.as_tensor(list(g), dtype=torch.float64) for g in groups]
+    if not tensors or any(t.numel() == 0 for t in tensors):
+        raise ValueError("every group needs at least one value")
+    gen = torch.Generator().manual_seed(seed)
+    point = torch.stack([t.mean() for t in tensors]).mean()
+    means = torch.zeros(n_resamples, dtype=torch.float64)
+    for t in tensors:
+        idx = torch.randint(0, t.numel(), (n_resamples, t.numel()), generator=gen)
+        means += t[idx].mean(dim=1)
+    means /= len(tensors)
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64))
+    return float(point), float(low), float(high)

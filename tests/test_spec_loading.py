@@ -1,0 +1,104 @@
+"""Drafter checkpoints in each real format load through spec.load_drafter; bad ones fail clearly."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fold import spec
+from fold.spec.loading import build_target_layer_ids
+from tests.spec_fixtures import make_drafter, make_target
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_target("llama", tmp_path_factory.mktemp("target"))
+
+
+@pytest.mark.parametrize("fmt, slots_from_anchor, markov", [
+    ("zlab", False, 0), ("zlab-legacy", False, 0), ("deepspec-dflash", True, 0), ("dspark", True, 8)])
+def test_each_format_loads_with_its_conventions(tmp_path, target, fmt, slots_from_anchor, markov):
+    drafter = spec.load_drafter(make_drafter(tmp_path / fmt, target, fmt, block_size=5, taps=(0, 2)), target)
+    cfg = drafter.cfg
+    assert (cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id) == (5, [0, 2], 96)
+    assert cfg.sample_from_anchor is slots_from_anchor and cfg.markov_rank == markov
+    assert cfg.has_embeddings is slots_from_anchor                 # DeepSpec ships embed/head copies
+    assert next(drafter.parameters()).dtype == torch.float32       # the target's dtype
+    state_keys = set(drafter.state_dict())
+    assert not any(k.startswith("_target") for k in state_keys)    # the target is referenced, not owned
+
+
+def test_the_tap_reads_output_of_layer_i(tmp_path, target):
+    drafter = spec.load_drafter(make_drafter(tmp_path / "d", target, "zlab", taps=(0, 2)), target)
+    hidden = tuple(torch.full((1, 3, 64), float(i)) for i in range(5))  # embeddings, then layers 0..3
+    feats = drafter.features(hidden)
+    assert feats[0, 0, 0] == 1 and feats[0, 0, 64] == 3
+
+
+def test_default_tap_ids_follow_zlab():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert build_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+
+
+def _rewrite_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(hidden_size=32), "drafter hidden_size=32 != target hidden_size=64"),
+    (dict(vocab_size=50), "drafter vocab_size=50 != target vocab_size=97"),
+    (dict(dflash_config={"target_layer_ids": [0, 3], "mask_token_id": 96}), "target_layer_ids [3] out of range"),
+    (dict(architectures=["DFlash2DraftModel"]), "DFlash2"),
+    (dict(architectures=["EagleModel"], dflash_config=None), "unknown drafter architecture 'EagleModel'"),
+    (dict(intermediate_size=None), "has no 'intermediate_size'"),
+    (dict(dflash_config={"target_layer_ids": [0, 2]}), "has no mask_token_id"),
+    (dict(dflash_config={"target_layer_ids": [0, 1, 2], "mask_token_id": 96}), "fc.weight takes 128 features"),
+])
+def test_bad_checkpoints_fail_naming_the_field(tmp_path, target, changes, words):
+    path = make_drafter(tmp_path / "d", target, "zlab")
+    _rewrite_config(path, **changes)
+    with pytest.raises(ValueError) as info:
+        spec.load_drafter(path, target)
+    assert words in str(info.value)
+
+
+def test_unknown_markov_head_is_refused(tmp_path, target):
+    path = make_drafter(tmp_path / "d", target, "dspark")
+    _rewrite_config(path, markov_head_type="gated")
+    with pytest.raises(ValueError, match="markov_head_type 'gated' is not supported"):
+        spec.load_drafter(path, target)
+
+
+def test_missing_weights_are_named(tmp_path, target):
+    path = make_drafter(tmp_path / "d", target, "zlab")
+    state = load_file(str(path / "model.safetensors"))
+    del state["layers.1.mlp.up_proj.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing \\['layers.1.mlp.up_proj.weight'\\]"):
+        spec.load_drafter(path, target)
+
+
+def test_not_a_directory_of_a_drafter(tmp_path, target):
+    with pytest.raises(ValueError, match="no config.json"):
+        spec.load_drafter(tmp_path, target)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+    (dict(max_new_tokens=4, temperature=-1.0), "temperature must be a number >= 0"),
+    (dict(max_new_tokens=4, policy="infllm"), "policy 'infllm' is not built yet"),
+    (dict(max_new_tokens=4, attention_mask=torch.ones(1, 3)), "attention_mask must have input_ids' shape"),
+])
+def test_bad_generate_arguments(tmp_path, target, kwargs, words):
+    drafter = spec.load_drafter(make_drafter(tmp_path / "d", target, "zlab"), target)
+    with pytest.raises(ValueError) as info:
+        spec.generate(target, drafter, torch.tensor([[1, 2, 3, 4, 5]]), **kwargs)
+    assert words in str(info.value)

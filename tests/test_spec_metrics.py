@@ -1,0 +1,45 @@
+"""Metrics: τ, speedup, the paired bootstrap; the AR baseline."""
+
+import pytest
+import torch
+
+from fold import spec
+from tests.spec_fixtures import greedy_ar, make_drafter, make_target
+
+
+def test_bootstrap_ci_brackets_the_mean_and_shrinks_with_data():
+    g = torch.Generator().manual_seed(1)
+    small = (torch.randn(20, generator=g) + 3).tolist()
+    large = (torch.randn(2000, generator=g) + 3).tolist()
+    m_small, lo_small, hi_small = spec.bootstrap_ci([small])
+    m_large, lo_large, hi_large = spec.bootstrap_ci([large])
+    assert lo_small < m_small < hi_small and lo_large < m_large < hi_large
+    assert hi_large - lo_large < (hi_small - lo_small) / 4
+    assert lo_large < 3 < hi_large
+    assert spec.bootstrap_ci([small]) == spec.bootstrap_ci([small])          # fixed seed
+
+
+def test_bootstrap_weights_tasks_equally():
+    mean, low, high = spec.bootstrap_ci([[1.0] * 100, [3.0] * 2])
+    assert mean == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
+
+
+def test_bootstrap_rejects_empty_groups():
+    with pytest.raises(ValueError, match="at least one value"):
+        spec.bootstrap_ci([[1.0], []])
+
+
+def test_autoregressive_is_the_targets_greedy_output_and_metrics_line_up(tmp_path):
+    target = make_target("llama", tmp_path / "t")
+    drafter = spec.load_drafter(make_drafter(tmp_path / "d", target, "zlab"), target)
+    ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(4))
+    ar = spec.autoregressive(target, ids, max_new_tokens=10)
+    sd = spec.generate(target, drafter, ids, max_new_tokens=10, window=8)
+    assert torch.equal(ar.sequences, sd.sequences)
+    assert torch.equal(ar.sequences[0], greedy_ar(target, ids[0], 10))
+    taus = spec.per_sequence_tau(sd)
+    assert len(taus) == 2 and all(t >= 1 for t in taus)
+    assert sd.tau == pytest.approx(sum(sum(s["accepted_per_round"]) for s in sd.stats["per_sequence"])
+                                   / sum(s["rounds"] for s in sd.stats["per_sequence"]))
+    speedups = spec.per_sequence_speedup(sd, ar)
+    assert len(speedups) == 2 and all(s > 0 for s in speedups)
