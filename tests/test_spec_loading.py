@@ -94,7 +94,7 @@ def test_not_a_directory_of_a_drafter(tmp_path, target):
 @pytest.mark.parametrize("kwargs, words", [
     (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
     (dict(max_new_tokens=4, temperature=-1.0), "temperature must be a number >= 0"),
-    (dict(max_new_tokens=4, policy="infllm"), "policy 'infllm' is not built yet"),
+    (dict(max_new_tokens=4, policy="h2o"), "policy must be one of"),
     (dict(max_new_tokens=4, attention_mask=torch.ones(1, 3)), "attention_mask must have input_ids' shape"),
 ])
 def test_bad_generate_arguments(tmp_path, target, kwargs, words):

@@ -27,3 +27,10 @@ def crop(cache, length: int) -> None:
             cache.crop(length - current)
     else:
         cache.crop(length)
+
+
+def layer_keys(cache, index: int):
+    """Keys of layer ``index`` of a dynamic cache, ``[B, Hkv, T, d]`` (post-RoPE)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[index].keys
+    return cache.key_cache[index]

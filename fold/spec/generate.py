@@ -82,6 +82,8 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
         a, token = _accept(drafts, draft_probs, logits[0], temperature, generator)
         _hf.crop(cache, state.length + a + 1)                 # anchor + accepted drafts stay
         drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
+        if hasattr(read, "after_verify"):                     # target-side retrieval (CMR)
+            read.after_verify(target, hidden_states, cache, state.length, a)
         rounds.append(a + 1)
         before = len(new)
         for t in drafts[:a] + [token]:
@@ -108,7 +110,7 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
             right) is dropped per row.
         max_new_tokens: per sequence.
         policy: how the drafter reads its context (``fold.spec.policies``): "dflash", "window", "fold",
-            "streaming", "yarn", "rerope".
+            "streaming", "yarn", "rerope", "infllm", "cmr".
         eos_token_id: int or list of ints that stop a sequence (kept in the output).
         temperature: 0 is greedy (lossless: equals the target's greedy output); above 0 the drafts
             are sampled and verified by rejection sampling, so every token follows the target's
@@ -116,7 +118,9 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         generator: a ``torch.Generator`` for reproducible sampling.
         progress: show a progress bar of generated tokens (tqdm).
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
-            ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096).
+            ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096),
+            ``infllm_block`` (128), ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4),
+            ``cmr_chunk`` (32), ``cmr_top`` (64), ``cmr_every`` (8).
 
     Returns:
         :class:`GenerateResult`: ``sequences`` [batch, prompt + generated] right-padded with the

@@ -15,7 +15,7 @@ and returns ``o [1, n_q, Hq, d]``. Settings follow the FOLD paper's Appendix B.3
 - ``rerope``: FOLD's window at true distances, every older entry at distance ``D`` from every row,
   one softmax, queries scaled by ``max(1, log(p + 1) / log(4096))``.
 
-Not built yet: ``infllm`` and ``cmr`` (refused by name).
+- ``infllm``, ``cmr``: the retrieval baselines (``fold.spec.retrieval``), stateful per sequence.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import torch
 
 import fold
 from fold._torch_backend import _rotate, fold_attention_torch
+from fold.spec.retrieval import CMRRead, InfLLMRead
 
-BUILT = ("dflash", "window", "fold", "streaming", "yarn", "rerope")
-PLANNED = ("infllm", "cmr")
+BUILT = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
+PLANNED: tuple[str, ...] = ()
 
 
 def plain_read(q, k, v, rope, backend="auto"):
@@ -108,7 +109,9 @@ def rerope_read(q, k, v, *, rope, window, training_length=4096):
 
 def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048, alpha: float = 2.0,
               backend: str = "auto", sinks: int = 4, recent: int = 2044, reference_len: int = 4096,
-              rope_theta: float | None = None, training_length: int = 4096):
+              rope_theta: float | None = None, training_length: int = 4096, infllm_block: int = 128,
+              infllm_init: int = 128, infllm_topk: int = 16, infllm_repr: int = 4, cmr_chunk: int = 32,
+              cmr_top: int = 64, cmr_every: int = 8):
     """The read of ``policy``; ``request`` = dict(prompt_len, max_new_tokens, block_size) for YaRN."""
     if policy == "dflash":
         return lambda q, k, v, layer: plain_read(q, k, v, rope, backend)
@@ -129,6 +132,11 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048
         return lambda q, k, v, layer: plain_read(q, k, v, scaled, backend)
     if policy == "rerope":
         return lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window, training_length=training_length)
+    if policy == "infllm":
+        return InfLLMRead(rope, window=window, block=infllm_block, init=infllm_init, topk=infllm_topk,
+                          repr_topk=infllm_repr)
+    if policy == "cmr":
+        return CMRRead(rope, chunk=cmr_chunk, top=cmr_top, every=cmr_every, backend=backend)
     if policy in PLANNED:
         raise ValueError(f"policy {policy!r} is not built yet; built: {BUILT}")
     raise ValueError(f"policy must be one of {BUILT + PLANNED}, got {policy!r}")
