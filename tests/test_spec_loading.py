@@ -59,6 +59,8 @@ def _rewrite_config(path, **changes):
     (dict(architectures=["DFlash2DraftModel"]), "DFlash2"),
     (dict(architectures=["EagleModel"], dflash_config=None), "unknown drafter architecture 'EagleModel'"),
     (dict(intermediate_size=None), "has no 'intermediate_size'"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding-window or causal layers"),
+    (dict(is_causal=True), "sliding-window or causal layers"),
     (dict(dflash_config={"target_layer_ids": [0, 2]}), "has no mask_token_id"),
     (dict(dflash_config={"target_layer_ids": [0, 1, 2], "mask_token_id": 96}), "fc.weight takes 128 features"),
 ])

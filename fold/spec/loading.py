@@ -46,6 +46,12 @@ def read_config(path: Path, target_config) -> DrafterConfig:
     else:
         raise ValueError(f"{path}: unknown drafter architecture {arch!r}; supported: 'DFlashDraftModel' "
                          "(z-lab DFlash) and 'Qwen3DSparkModel' (DeepSpec DFlash / DSpark)")
+    layer_types = config.get("layer_types") or []
+    causal = _first(config.get("is_causal"), dflash.get("causal"))
+    if "sliding_attention" in layer_types or dflash.get("use_swa") or causal:
+        raise ValueError(f"{path}: drafters with sliding-window or causal layers (layer_types {layer_types}, "
+                         f"is_causal/causal={causal}, use_swa={dflash.get('use_swa')}) are not supported yet; "
+                         "every layer must be full, bidirectional attention")
     markov_rank = int(config.get("markov_rank") or 0) if sample_from_anchor else 0
     if markov_rank and config.get("markov_head_type", "vanilla") != "vanilla":
         raise ValueError(f"{path}: DSpark markov_head_type {config['markov_head_type']!r} is not supported "
