@@ -1,12 +1,13 @@
 """fold: FOLD attention for long-context speculative decoding, without retraining the drafter.
 
-Public API: :class:`Rope`, :func:`attention`, :func:`merge_states`.
+Public API: :class:`Rope`, :func:`attention`, :func:`merge_states`, :func:`tree_attention`.
 """
 
 from fold.attention import attention
 from fold.merge import merge_states
 from fold.rope import Rope
+from fold.tree import tree_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["Rope", "__version__", "attention", "merge_states"]
+__all__ = ["Rope", "__version__", "attention", "merge_states", "tree_attention"]

@@ -129,3 +129,27 @@ def fold_attention_torch(q, k, v, inv_freq, cache_seqlens, *, window, alpha, sof
         if return_lse:
             lse_out[b] = lse.view(heads_kv, n_q, group).transpose(0, 1).reshape(n_q, heads_q)
     return out, lse_out
+
+
+def tree_attention_torch(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale,
+                         return_lse):
+    """Hybrid tree attention: the cache through one fused read with LSE, the tree explicitly, one merge."""
+    batch, n_tree, heads_q, head_dim = q.shape
+    max_len, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    group = heads_q // heads_kv
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    seqlens = [max_len] * batch if cache_seqlens is None else cache_seqlens.tolist()
+    node = torch.arange(n_tree, device=q.device).repeat_interleave(group)             # row m = i * group + h
+    out = torch.empty_like(q)
+    lse_out = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=work if work == torch.float64
+                          else torch.float32) if return_lse else None
+    for b, length in enumerate(seqlens):
+        qm = q[b].view(n_tree, heads_kv, group, head_dim).transpose(0, 1).reshape(heads_kv, n_tree * group, head_dim)
+        cached = _segment_read(qm.to(work), k_cache[b, :length], v_cache[b, :length], softmax_scale, None, None)
+        tree = _masked_read(qm.to(work), k_tree[b].transpose(0, 1).to(work), v_tree[b].transpose(0, 1).to(work),
+                            softmax_scale, tree_mask[b][node])
+        o, lse = _merge_pair(*cached, *tree)
+        out[b] = o.view(heads_kv, n_tree, group, head_dim).transpose(0, 1).reshape(n_tree, heads_q, head_dim)
+        if return_lse:
+            lse_out[b] = lse.view(heads_kv, n_tree, group).transpose(0, 1).reshape(n_tree, heads_q)
+    return out, lse_out

@@ -133,15 +133,28 @@ def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax
         raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
     if not (math.isfinite(alpha) and alpha >= 1):
         raise ValueError(f"alpha must be finite and >= 1, got {alpha}")
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    softmax_scale = validate_scale(softmax_scale, head_dim)
     for name, flag in (("keys_rotated", keys_rotated), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    backend = resolve_backend(backend, q)
+    cache_seqlens = _validate_seqlens(cache_seqlens, batch, max_len, q.device, minimum=n_q,
+                                      lower=f"n_q={n_q}", why=" (each sequence holds the block's own n_q entries)")
+    return q, k, v, cache_seqlens, softmax_scale, backend
+
+
+def validate_scale(softmax_scale, head_dim) -> float:
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def resolve_backend(backend, q) -> str:
+    """``"auto"`` -> triton on CUDA, torch otherwise; checks that the choice can run ``q``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -152,11 +165,10 @@ def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ValueError(f"backend='triton' needs CUDA tensors (q is on {q.device}), or TRITON_INTERPRET=1 "
                              "set before fold's kernels are imported; use backend='torch' on this device")
-    cache_seqlens = _validate_seqlens(cache_seqlens, batch, n_q, max_len, q.device)
-    return q, k, v, cache_seqlens, float(softmax_scale), backend
+    return backend
 
 
-def _validate_seqlens(cache_seqlens, batch, n_q, max_len, device):
+def _validate_seqlens(cache_seqlens, batch, max_len, device, *, minimum, lower, why=""):
     if cache_seqlens is None:
         return None
     if isinstance(cache_seqlens, (list, tuple)):
@@ -174,7 +186,6 @@ def _validate_seqlens(cache_seqlens, batch, n_q, max_len, device):
     capturing = cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
     if not capturing:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if lo < n_q or hi > max_len:
-            raise ValueError(f"cache_seqlens must lie in [n_q={n_q}, max_len={max_len}] (each sequence holds the "
-                             f"block's own n_q entries), got values in [{lo}, {hi}]")
+        if lo < minimum or hi > max_len:
+            raise ValueError(f"cache_seqlens must lie in [{lower}, max_len={max_len}]{why}, got values in [{lo}, {hi}]")
     return cache_seqlens.contiguous()

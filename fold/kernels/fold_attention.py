@@ -315,11 +315,11 @@ def fold_fwd_kernel_stage2(
 
 
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
-                       interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig):
+                       interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None):
     """Launch both stages. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
     q [B, n_q, Hq, d]; k, v [B, max_len, Hkv, d]; inv_freq [rotary_dim/2] fp32 on q's device;
-    cache_seqlens [B] int or None.
+    cache_seqlens [B] int or None; ``out_dtype`` defaults to q's (float32 keeps a state for merging).
     """
     batch, n_q, heads_q, head_dim = q.shape
     max_len, heads_kv = k.shape[1], k.shape[2]
@@ -337,7 +337,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
 
     o_part = torch.empty(batch, heads_q, n_q, 2, splits, head_dim, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(batch, heads_q, n_q, 2, splits, device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
     seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointer when unused
 
