@@ -11,9 +11,11 @@ def _cache_kwarg(forward) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def forward(target, ids, cache=None):
+def forward(target, ids, cache=None, position_ids=None):
     """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache)."""
     kwargs = {_cache_kwarg(type(target).forward): cache} if cache is not None else {}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
     out = target(ids, use_cache=True, output_hidden_states=True, **kwargs)
     new_cache = out["cache"] if "cache" in out else out["past_key_values"]
     return out.logits, out.hidden_states, new_cache
@@ -34,3 +36,15 @@ def layer_keys(cache, index: int):
     if hasattr(cache, "layers"):
         return cache.layers[index].keys
     return cache.key_cache[index]
+
+
+def keep(cache, indices) -> None:
+    """Keep the entries ``indices`` (sorted, [K]) of every layer of ``cache``, in that order."""
+    if hasattr(cache, "layers"):
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(2, indices)
+            layer.values = layer.values.index_select(2, indices)
+    else:
+        for i in range(len(cache.key_cache)):
+            cache.key_cache[i] = cache.key_cache[i].index_select(2, indices)
+            cache.value_cache[i] = cache.value_cache[i].index_select(2, indices)

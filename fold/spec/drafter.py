@@ -198,24 +198,33 @@ class Drafter(nn.Module):
         return self.norm(h)[0]
 
     @torch.no_grad()
+    def slot_logits(self, state: DraftState, anchor: int, read) -> torch.Tensor:
+        """Base logits of the drafting slots ``[n_drafts, vocab]`` (before any Markov bias)."""
+        hidden = self.block_hidden(state, anchor, read)
+        return self.head(hidden[1:] if not self.cfg.sample_from_anchor else hidden).float()
+
+    def markov_bias(self, prev_token: int) -> torch.Tensor:
+        """DSpark's bias on the next slot's logits given the previous token, ``[vocab]``."""
+        return self.markov_head.bias(torch.tensor(prev_token, device=self.fc.weight.device)).float()
+
+    @torch.no_grad()
     def draft(self, state: DraftState, anchor: int, read, temperature: float = 0.0, generator=None):
         """Draft tokens of one round: B-1 (z-lab) or B (DeepSpec), DSpark's Markov-corrected.
 
         Returns ``(tokens, probs)``: at temperature 0 the argmax tokens and ``None``; otherwise tokens
         sampled from ``probs [n_drafts, vocab]``, the distributions actually used (for rejection).
         """
-        hidden = self.block_hidden(state, anchor, read)
-        logits = self.head(hidden[1:] if not self.cfg.sample_from_anchor else hidden).float()   # [n, V]
+        logits = self.slot_logits(state, anchor, read)                                         # [n, V]
         markov = self.cfg.markov_rank > 0
         if temperature == 0.0 and not markov:
             return logits.argmax(-1).tolist(), None
-        tokens, probs, prev = [], [], torch.tensor(anchor, device=hidden.device)
+        tokens, probs, prev = [], [], anchor
         for k in range(logits.shape[0]):
-            row = logits[k] + self.markov_head.bias(prev).float() if markov else logits[k]
+            row = logits[k] + self.markov_bias(prev) if markov else logits[k]
             if temperature == 0.0:
-                prev = row.argmax(-1)
+                prev = int(row.argmax(-1))
             else:
                 probs.append(torch.softmax(row / temperature, dim=-1))
-                prev = torch.multinomial(probs[-1], 1, generator=generator)[0]
-            tokens.append(int(prev))
+                prev = int(torch.multinomial(probs[-1], 1, generator=generator)[0])
+            tokens.append(prev)
         return tokens, (torch.stack(probs) if probs else None)

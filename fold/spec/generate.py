@@ -23,6 +23,7 @@ import torch
 from fold.spec import _hf
 from fold.spec.drafter import Drafter
 from fold.spec.policies import make_read
+from fold.spec.tree import tree_round
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _accept(drafts, draft_probs, target_logits, temperature, generator):
 
 @torch.no_grad()
 def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read,
-                  temperature: float, generator, bar=None):
+                  temperature: float, generator, bar=None, tree=None):
     t0 = time.perf_counter()
     logits, hidden_states, cache = _hf.forward(target, ids[None])
     state = drafter.new_state(len(ids) + max_new_tokens, ids.device, drafter.fc.weight.dtype)
@@ -76,14 +77,21 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
         anchor = new[-1]
-        drafts, draft_probs = drafter.draft(state, anchor, read, temperature, generator)
-        drafted += len(drafts)
-        logits, hidden_states, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device), cache)
-        a, token = _accept(drafts, draft_probs, logits[0], temperature, generator)
-        _hf.crop(cache, state.length + a + 1)                 # anchor + accepted drafts stay
-        drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
+        if tree is not None:
+            committed, n_nodes, hidden_states, last_row = tree_round(target, drafter, state, cache, anchor, read, tree)
+            drafted += n_nodes
+            drafts, a, token = committed[:-1], len(committed) - 1, committed[-1]
+        else:
+            drafts, draft_probs = drafter.draft(state, anchor, read, temperature, generator)
+            drafted += len(drafts)
+            logits, hidden_states, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device),
+                                                       cache)
+            a, token = _accept(drafts, draft_probs, logits[0], temperature, generator)
+            _hf.crop(cache, state.length + a + 1)             # anchor + accepted drafts stay
+            drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
+            last_row = a
         if hasattr(read, "after_verify"):                     # target-side retrieval (CMR)
-            read.after_verify(target, hidden_states, cache, state.length, a)
+            read.after_verify(target, hidden_states, cache, state.length, last_row)
         rounds.append(a + 1)
         before = len(new)
         for t in drafts[:a] + [token]:
@@ -100,7 +108,8 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
 
 def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str = "fold",
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
-             generator: torch.Generator | None = None, progress: bool = False, **policy_options) -> GenerateResult:
+             generator: torch.Generator | None = None, progress: bool = False, tree: tuple[int, ...] | None = None,
+             **policy_options) -> GenerateResult:
     """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
 
     Args:
@@ -117,6 +126,10 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
             distribution at that temperature.
         generator: a ``torch.Generator`` for reproducible sampling.
         progress: show a progress bar of generated tokens (tqdm).
+        tree: ``(k1, k2, ...)`` verifies a token tree instead of a chain: level i keeps the best k_i
+            paths by cumulative draft log-probability over the drafter's per-slot candidates, the
+            target verifies every node in one forward (``fold.tree_attention`` inside it) and the
+            longest path matching its greedy choices is accepted. Greedy only.
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096),
             ``infllm_block`` (128), ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4),
@@ -135,6 +148,11 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if tree is not None:
+        if not (isinstance(tree, (tuple, list)) and tree and all(isinstance(k, int) and k >= 1 for k in tree)):
+            raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
+        if temperature != 0.0:
+            raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
               **policy_options)                                   # bad policy or option: fail before any work
@@ -144,7 +162,8 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
         request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
         read = make_read(policy, drafter.cfg.rope, request=request, **policy_options)
-        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator, bar)
+        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator, bar,
+                                   None if tree is None else tuple(tree))
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
         all_stats.append(stats)
     if bar is not None:
