@@ -69,3 +69,51 @@ def test_read(benchmark, provider, length, keys_rotated):
         fold=fold.__version__, torch=torch.__version__, triton=triton.__version__,
     )
     benchmark.pedantic(run, rounds=7 if ON_GPU else 5, warmup_rounds=2, iterations=1)
+
+
+TREE_NODES = int(os.environ.get("FOLD_BENCH_TREE_NODES", "64"))
+
+
+def _tree_setup(length: int) -> dict:
+    """LongSpec-shaped inputs: a rotated cache of ``length`` entries and a random tree of TREE_NODES."""
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = SHAPE.heads_q, SHAPE.heads_kv, SHAPE.head_dim
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, TREE_NODES)]
+    mask = torch.zeros(TREE_NODES, TREE_NODES, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+    t = lambda *s: torch.randn(*s, generator=g).to(DEVICE, DTYPE)  # noqa: E731
+    return dict(q=t(1, TREE_NODES, hq, d), k_cache=t(1, length, hkv, d), v_cache=t(1, length, hkv, d),
+                k_tree=t(1, TREE_NODES, hkv, d), v_tree=t(1, TREE_NODES, hkv, d), tree_mask=mask[None].to(DEVICE))
+
+
+def _dense_masked_sdpa(x):
+    """The plain alternative: one SDPA over [cache ; tree] with an explicit boolean mask."""
+    keys = torch.cat([x["k_cache"], x["k_tree"]], 1).transpose(1, 2)
+    values = torch.cat([x["v_cache"], x["v_tree"]], 1).transpose(1, 2)
+    length = x["k_cache"].shape[1]
+    mask = torch.cat([torch.ones(TREE_NODES, length, dtype=torch.bool, device=keys.device), x["tree_mask"][0]], 1)
+    q = x["q"].transpose(1, 2)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+TREE_PROVIDERS = {
+    "fold_tree_torch": lambda x: lambda: fold.tree_attention(**x, backend="torch"),
+    "fold_tree_triton": lambda x: lambda: fold.tree_attention(**x, backend="triton"),
+    "dense_masked_sdpa": _dense_masked_sdpa,
+}
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("provider", list(TREE_PROVIDERS))
+def test_tree_read(benchmark, provider, length):
+    if provider == "fold_tree_triton" and not ON_GPU:
+        pytest.skip("the interpreter's timings mean nothing")
+    fn = TREE_PROVIDERS[provider](_tree_setup(length))
+    sync = torch.cuda.synchronize if ON_GPU else (lambda: None)
+    benchmark.group = f"tree {TREE_NODES} nodes L={length}"
+    benchmark.extra_info.update(provider=provider, length=length, nodes=TREE_NODES, dtype=str(DTYPE),
+                                device=torch.cuda.get_device_name() if ON_GPU else "cpu")
+    benchmark.pedantic(lambda: (fn(), sync()), rounds=7 if ON_GPU else 5, warmup_rounds=2, iterations=1)
