@@ -94,3 +94,29 @@ def greedy_ar(target, ids, max_new_tokens, eos=()):
         logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]]), cache)
         new.append(int(logits[0, -1].argmax()))
     return torch.cat([ids, torch.tensor(new)])
+
+
+def make_glide(path, target, seed=0, window=None):
+    """A LongSpec GLIDE directory: the target's config + one layer of self_attn/cross_attn/mlp weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tc = target.config
+    h, heads_q, heads_kv = tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads
+    d = h // heads_q
+    w = lambda *s: torch.randn(*s, generator=gen) * 0.2  # noqa: E731
+    state = {"mlp.gate_proj.weight": w(tc.intermediate_size, h), "mlp.up_proj.weight": w(tc.intermediate_size, h),
+             "mlp.down_proj.weight": w(h, tc.intermediate_size), "input_layernorm.weight": torch.ones(h),
+             "post_self_attention_layernorm.weight": torch.ones(h),
+             "post_cross_attention_layernorm.weight": torch.ones(h)}
+    for part in ("self_attn", "cross_attn"):
+        state.update({f"{part}.q_proj.weight": w(heads_q * d, h), f"{part}.q_proj.bias": w(heads_q * d),
+                      f"{part}.k_proj.weight": w(heads_kv * d, h), f"{part}.k_proj.bias": w(heads_kv * d),
+                      f"{part}.v_proj.weight": w(heads_kv * d, h), f"{part}.v_proj.bias": w(heads_kv * d),
+                      f"{part}.o_proj.weight": w(h, heads_q * d)})
+    config = tc.to_dict()
+    config["architectures"] = ["LlamaGlideDecoderLayer"]
+    if window is not None:
+        config["glide_window"] = window
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    return path

@@ -48,3 +48,10 @@ def keep(cache, indices) -> None:
         for i in range(len(cache.key_cache)):
             cache.key_cache[i] = cache.key_cache[i].index_select(2, indices)
             cache.value_cache[i] = cache.value_cache[i].index_select(2, indices)
+
+
+def layer_values(cache, index: int):
+    """Values of layer ``index`` of a dynamic cache, ``[B, Hkv, T, d]``."""
+    if hasattr(cache, "layers"):
+        return cache.layers[index].values
+    return cache.value_cache[index]

@@ -106,20 +106,66 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
     return new, stats
 
 
-def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str = "fold",
+@torch.no_grad()
+def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], gamma: int,
+                        temperature: float, generator, bar=None):
+    """The chain loop for an autoregressive GLIDE drafter: gamma drafts per round, one verification."""
+    t0 = time.perf_counter()
+    logits, _, cache = _hf.forward(target, ids[None])
+    new = [_sample(logits[0, -1], temperature, generator)]
+    state = drafter.new_state(len(ids) + max_new_tokens + gamma + 1)
+    drafter.forward_tokens(state, ids, cache)
+    prefill_s = time.perf_counter() - t0
+    rounds, drafted, prompt = [], 0, ids.tolist()
+    t1 = time.perf_counter()
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        anchor, t = new[-1], len(ids) + len(new) - 1              # the anchor's position = target cache length
+        feed = torch.tensor((prompt + new)[state.length:t + 1], device=ids.device)   # tokens the drafter lacks
+        row = drafter.forward_tokens(state, feed, cache)[-1]
+        drafts, probs = [], []
+        for i in range(gamma):
+            if temperature == 0.0:
+                drafts.append(int(row.argmax()))
+            else:
+                probs.append(torch.softmax(row / temperature, dim=-1))
+                drafts.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
+            if i < gamma - 1:
+                row = drafter.forward_tokens(state, torch.tensor([drafts[-1]], device=ids.device), cache)[-1]
+        drafted += len(drafts)
+        logits, _, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device), cache)
+        a, token = _accept(drafts, torch.stack(probs) if probs else None, logits[0], temperature, generator)
+        _hf.crop(cache, t + a + 1)
+        drafter.crop(state, t + a + 1)                            # its entries for the accepted prefix stay
+        rounds.append(a + 1)
+        before = len(new)
+        for tok in drafts[:a] + [token]:
+            new.append(tok)
+            if len(new) >= max_new_tokens or tok in eos:
+                break
+        if bar is not None:
+            bar.update(len(new) - before)
+    decode_s = time.perf_counter() - t1
+    stats = dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
+                 decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
+    return new, stats
+
+
+def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str | None = None,
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
              generator: torch.Generator | None = None, progress: bool = False, tree: tuple[int, ...] | None = None,
-             **policy_options) -> GenerateResult:
+             gamma: int = 4, **policy_options) -> GenerateResult:
     """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
 
     Args:
         target: a transformers causal LM with RoPE (Llama, Qwen3, ...), in eval mode.
-        drafter: from :func:`fold.spec.load_drafter` for this target.
+        drafter: from :func:`fold.spec.load_drafter` for this target: a block drafter (DFlash/DSpark)
+            or LongSpec's GLIDE (autoregressive, ``gamma`` drafts per round, reading the target's
+            last-layer cache by cross-attention, so ``policy`` does not apply to it).
         input_ids: [batch, prompt_len]; with ``attention_mask`` [batch, prompt_len], padding (left or
             right) is dropped per row.
         max_new_tokens: per sequence.
-        policy: how the drafter reads its context (``fold.spec.policies``): "dflash", "window", "fold",
-            "streaming", "yarn", "rerope", "infllm", "cmr".
+        policy: how a block drafter reads its context (``fold.spec.policies``): "fold" (default),
+            "dflash", "window", "streaming", "yarn", "rerope", "infllm", "cmr".
         eos_token_id: int or list of ints that stop a sequence (kept in the output).
         temperature: 0 is greedy (lossless: equals the target's greedy output); above 0 the drafts
             are sampled and verified by rejection sampling, so every token follows the target's
@@ -148,18 +194,37 @@ def generate(target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_token
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    from fold.spec.glide import GlideDrafter
+
+    glide = isinstance(drafter, GlideDrafter)
+    if glide:
+        if policy not in (None, "dflash") or policy_options:
+            raise ValueError("a GLIDE drafter reads the target's cache by cross-attention at true positions; "
+                             f"context policies do not apply (got policy={policy!r}, options {sorted(policy_options)})")
+        if tree is not None:
+            raise ValueError("tree drafting with a GLIDE drafter is not built yet; use tree=None")
+        if not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma must be a positive int, got {gamma!r}")
+    policy = policy or "fold"
     if tree is not None:
         if not (isinstance(tree, (tuple, list)) and tree and all(isinstance(k, int) and k >= 1 for k in tree)):
             raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
         if temperature != 0.0:
             raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
-              **policy_options)                                   # bad policy or option: fail before any work
+    if not glide:
+        make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
+                  **policy_options)                               # bad policy or option: fail before any work
     rows, all_stats = [], []
-    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, f"{policy}") if progress else None
+    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, "glide" if glide else policy) if progress else None
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
+        if glide:
+            new, stats = _generate_one_glide(target, drafter, ids, max_new_tokens, eos, gamma, float(temperature),
+                                             generator, bar)
+            rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
+            all_stats.append(stats)
+            continue
         request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
         read = make_read(policy, drafter.cfg.rope, request=request, **policy_options)
         new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator, bar,

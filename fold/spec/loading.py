@@ -117,17 +117,74 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_drafter(path, target) -> Drafter:
+def _is_glide(path: Path, config: dict) -> bool:
+    arch = " ".join(config.get("architectures") or [])
+    if "Glide" in arch:
+        return True
+    index = path / "model.safetensors"
+    if index.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(index), "pt") as f:
+            return any(k.removeprefix("model.").startswith("cross_attn.") for k in f.keys())
+    return False
+
+
+def load_glide(path: Path, config: dict, target):
+    """A LongSpec GLIDE directory: one decoder layer, the target's config, embedding and LM head."""
+    import transformers
+
+    from fold.spec.glide import GlideConfig, GlideDrafter
+
+    for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        _require(config, name, path)
+    heads_q = config["num_attention_heads"]
+    heads_kv = config.get("num_key_value_heads", heads_q)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads_q
+    model_type = config.get("model_type", target.config.model_type)
+    rope_config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
+                                                                   if k not in ("architectures", "model_type")})
+    cfg = GlideConfig(hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                      heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                      rms_norm_eps=config.get("rms_norm_eps", 1e-6), vocab_size=config["vocab_size"],
+                      window=int(config.get("glide_window", 512)), rope=fold.Rope.from_config(rope_config))
+    tc = target.config
+    target_heads_kv = getattr(tc, "num_key_value_heads", tc.num_attention_heads)
+    target_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    if cfg.hidden_size != tc.hidden_size:
+        raise ValueError(f"{path}: drafter hidden_size={cfg.hidden_size} != target hidden_size={tc.hidden_size}")
+    if cfg.vocab_size != tc.vocab_size:
+        raise ValueError(f"{path}: drafter vocab_size={cfg.vocab_size} != target vocab_size={tc.vocab_size}")
+    if (heads_kv, head_dim) != (target_heads_kv, target_head_dim):
+        raise ValueError(f"{path}: GLIDE cross-attention reads the target's KV cache, so num_key_value_heads and "
+                         f"head_dim must match the target's ({target_heads_kv}, {target_head_dim}); "
+                         f"got ({heads_kv}, {head_dim})")
+    drafter = GlideDrafter(cfg)
+    state = {k: v for k, v in _load_weights(path).items() if not k.startswith("cross_attn.rotary")}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match a GLIDE layer: missing {sorted(missing)[:8]}, "
+                         f"unexpected {sorted(unexpected)[:8]}")
+    drafter.bind(target)
+    return drafter.to(device=next(target.parameters()).device, dtype=next(target.parameters()).dtype).eval()
+
+
+def load_drafter(path, target):
     """Load a drafter directory (``config.json`` + safetensors) for ``target`` (a transformers causal LM).
 
     Formats: z-lab DFlash (``DFlashDraftModel`` or a ``dflash_config`` block; the target's embedding
     and LM head are used) and DeepSpec DFlash/DSpark (``Qwen3DSparkModel``; shipped embedding/head,
     vanilla Markov head when ``markov_rank > 0``; a confidence head, if shipped, is not used).
-    Unknown formats, DFlash2 and non-vanilla Markov heads are refused by name.
+    LongSpec GLIDE directories (a single decoder layer with ``self_attn`` and ``cross_attn``, the
+    target's config) load as :class:`fold.spec.glide.GlideDrafter`. Unknown formats, DFlash2 and
+    non-vanilla Markov heads are refused by name.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: not a drafter directory (no config.json)")
+    raw = json.loads((path / "config.json").read_text())
+    if _is_glide(path, raw):
+        return load_glide(path, raw, target)
     cfg = read_config(path, target.config)
     _validate_against_target(cfg, target.config, path)
     drafter = Drafter(cfg)

@@ -1,0 +1,70 @@
+"""LongSpec's GLIDE drafter: loading, and lossless chain drafting against the target's own output."""
+
+import json
+
+import pytest
+import torch
+
+from fold import spec
+from fold.spec.glide import GlideDrafter
+from tests.spec_fixtures import greedy_ar, make_glide, make_target
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tmp_path_factory):
+    return make_target(request.param, tmp_path_factory.mktemp(f"target-{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def glide(target, tmp_path_factory):
+    return spec.load_drafter(make_glide(tmp_path_factory.mktemp("glide"), target, window=6), target)
+
+
+def test_loads_as_glide(glide):
+    assert isinstance(glide, GlideDrafter) and glide.cfg.window == 6
+    assert glide.self_attn.q_proj.bias is not None and glide.self_attn.o_proj.bias is None
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_glide_chain_is_lossless_at_batch_three(target, glide, gamma):
+    g = torch.Generator().manual_seed(gamma)
+    prompts = [torch.randint(0, 90, (n,), generator=g) for n in (30, 12, 21)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)], mask[b, :len(p)] = p, 1                       # right padding this time
+    result = spec.generate(target, glide, ids, attention_mask=mask, max_new_tokens=18, gamma=gamma)
+    for b, p in enumerate(prompts):
+        want = greedy_ar(target, p, 18)
+        assert torch.equal(result.sequences[b, :len(want)], want)
+
+
+def test_glide_refuses_policies_and_trees(target, glide):
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="context policies do not apply"):
+        spec.generate(target, glide, ids, max_new_tokens=3, policy="fold")
+    with pytest.raises(ValueError, match="tree drafting with a GLIDE drafter is not built yet"):
+        spec.generate(target, glide, ids, max_new_tokens=3, tree=(2, 2))
+
+
+def test_glide_must_match_the_targets_kv_heads(tmp_path, target):
+    path = make_glide(tmp_path / "g", target)
+    config = json.loads((path / "config.json").read_text())
+    config["hidden_size"] = 32
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="hidden_size=32 != target hidden_size=64"):
+        spec.load_drafter(path, target)
+
+
+def test_glide_drafts_change_with_its_context(target, glide):
+    """The cross-attention really reads the target's cache: a different prefix changes the draft logits."""
+    from fold.spec import _hf
+
+    logits = []
+    for prefix in ([5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 9, 10]):
+        ids = torch.tensor(prefix)
+        _, _, cache = _hf.forward(target, ids[None])
+        state = glide.new_state(16)
+        logits.append(glide.forward_tokens(state, ids, cache)[-1])
+    assert not torch.allclose(logits[0], logits[1])
