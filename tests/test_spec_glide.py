@@ -40,12 +40,47 @@ def test_glide_chain_is_lossless_at_batch_three(target, glide, gamma):
         assert torch.equal(result.sequences[b, :len(want)], want)
 
 
-def test_glide_refuses_policies_and_trees(target, glide):
+def test_glide_refuses_policies(target, glide):
     ids = torch.tensor([[1, 2, 3, 4]])
     with pytest.raises(ValueError, match="context policies do not apply"):
         spec.generate(target, glide, ids, max_new_tokens=3, policy="fold")
-    with pytest.raises(ValueError, match="tree drafting with a GLIDE drafter is not built yet"):
-        spec.generate(target, glide, ids, max_new_tokens=3, tree=(2, 2))
+
+
+@pytest.mark.parametrize("tree", [(1, 1, 1), (4, 3, 2), (2, 4, 4, 4)])
+def test_glide_tree_is_lossless_at_batch_three(target, glide, tree):
+    g = torch.Generator().manual_seed(len(tree))
+    prompts = [torch.randint(0, 90, (n,), generator=g) for n in (26, 9, 17)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    result = spec.generate(target, glide, ids, attention_mask=mask, max_new_tokens=16, tree=tree)
+    for b, p in enumerate(prompts):
+        want = greedy_ar(target, p, 16)
+        assert torch.equal(result.sequences[b, :len(want)], want)
+
+
+def test_glide_tree_nodes_see_exactly_their_ancestors(target, glide):
+    """A node's draft logits in the tree equal feeding its root-to-node path as a chain."""
+    from fold.spec import _hf
+    from fold.spec.glide import glide_tree
+
+    prompt = torch.randint(0, 90, (14,), generator=torch.Generator().manual_seed(2))
+    _, _, cache = _hf.forward(target, prompt[None])
+    state = glide.new_state(64)
+    root = glide.forward_tokens(state, prompt, cache)[-1]
+    tokens, parents, depths, node_logits = glide_tree(glide, state, root, int(prompt[-1]), (3, 2, 2), cache)
+    assert sorted(node_logits) == [i for i, d in enumerate(depths) if d <= 2]
+    for node in [i for i, d in enumerate(depths) if d in (1, 2)]:
+        chain_state = glide.new_state(64)
+        glide.forward_tokens(chain_state, prompt, cache)
+        path, a = [], node
+        while a > 0:
+            path.insert(0, tokens[a])
+            a = parents[a]
+        chain_logits = glide.forward_tokens(chain_state, torch.tensor(path), cache)[-1]
+        torch.testing.assert_close(node_logits[node], chain_logits, rtol=1e-4, atol=1e-5)
 
 
 def test_glide_must_match_the_targets_kv_heads(tmp_path, target):

@@ -23,7 +23,8 @@ import torch
 from fold.spec import _hf
 from fold.spec.drafter import Drafter
 from fold.spec.policies import make_read
-from fold.spec.tree import tree_round
+from fold.spec.glide import glide_tree
+from fold.spec.tree import tree_round, verify_tree
 
 
 @dataclass
@@ -108,8 +109,8 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
 
 @torch.no_grad()
 def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], gamma: int,
-                        temperature: float, generator, bar=None):
-    """The chain loop for an autoregressive GLIDE drafter: gamma drafts per round, one verification."""
+                        temperature: float, generator, bar=None, tree=None):
+    """The loop for an autoregressive GLIDE drafter: a chain of gamma drafts, or a beam tree, per round."""
     t0 = time.perf_counter()
     logits, _, cache = _hf.forward(target, ids[None])
     new = [_sample(logits[0, -1], temperature, generator)]
@@ -122,6 +123,21 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
         anchor, t = new[-1], len(ids) + len(new) - 1              # the anchor's position = target cache length
         feed = torch.tensor((prompt + new)[state.length:t + 1], device=ids.device)   # tokens the drafter lacks
         row = drafter.forward_tokens(state, feed, cache)[-1]
+        if tree is not None:
+            tokens, parents, depths, _ = glide_tree(drafter, state, row, anchor, tree, cache)
+            drafted += len(tokens) - 1
+            path, token, _, _ = verify_tree(target, cache, tokens, parents, depths, t)
+            drafter.crop(state, t + 1)                            # tree entries go; accepted ones are re-fed
+            drafts, a = [tokens[i] for i in path], len(path)
+            rounds.append(a + 1)
+            before = len(new)
+            for tok in drafts + [token]:
+                new.append(tok)
+                if len(new) >= max_new_tokens or tok in eos:
+                    break
+            if bar is not None:
+                bar.update(len(new) - before)
+            continue
         drafts, probs = [], []
         for i in range(gamma):
             if temperature == 0.0:
@@ -201,8 +217,6 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
         if policy not in (None, "dflash") or policy_options:
             raise ValueError("a GLIDE drafter reads the target's cache by cross-attention at true positions; "
                              f"context policies do not apply (got policy={policy!r}, options {sorted(policy_options)})")
-        if tree is not None:
-            raise ValueError("tree drafting with a GLIDE drafter is not built yet; use tree=None")
         if not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be a positive int, got {gamma!r}")
     policy = policy or "fold"
@@ -221,7 +235,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
         if glide:
             new, stats = _generate_one_glide(target, drafter, ids, max_new_tokens, eos, gamma, float(temperature),
-                                             generator, bar)
+                                             generator, bar, None if tree is None else tuple(tree))
             rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
             all_stats.append(stats)
             continue

@@ -54,7 +54,8 @@ class GlideAttention(nn.Module):
 class GlideState:
     k: torch.Tensor          # [Hkv, capacity, d] post-RoPE keys of the drafter's own entries
     v: torch.Tensor
-    length: int = 0          # entries = positions 0 .. length-1 of the sequence
+    length: int = 0          # entries; for a chain, entry i is position i
+    tree_base: int = 0       # first tree slot while drafting a tree
 
 
 class GlideDrafter(nn.Module):
@@ -96,15 +97,23 @@ class GlideDrafter(nn.Module):
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 
     @torch.no_grad()
-    def forward_tokens(self, state: GlideState, tokens: torch.Tensor, target_cache) -> torch.Tensor:
-        """Append ``tokens [T]`` at positions ``state.length ...`` and return their logits ``[T, V]``."""
+    def forward_tokens(self, state: GlideState, tokens: torch.Tensor, target_cache, positions=None,
+                       tree_visible=None) -> torch.Tensor:
+        """Append ``tokens [T]`` to the drafter's cache and return their logits ``[T, V]``.
+
+        By default token i sits at position ``state.length + i`` (a chain). For tree nodes pass their
+        ``positions [T]`` and ``tree_visible [T, T_tree]``: which of the tree entries appended since
+        ``state.tree_base`` (earlier levels and this one) each node sees; every node also sees the
+        committed entries before ``state.tree_base`` within the window.
+        """
         cfg = self.cfg
         start, n = state.length, tokens.shape[0]
         if start + n > state.k.shape[1]:
             grow = max(start + n, 2 * state.k.shape[1])
             state.k = torch.cat([state.k, state.k.new_zeros(state.k.shape[0], grow - state.k.shape[1], cfg.head_dim)], 1)
             state.v = torch.cat([state.v, state.v.new_zeros(state.v.shape[0], grow - state.v.shape[1], cfg.head_dim)], 1)
-        pos = torch.arange(start, start + n, device=tokens.device)
+        chain = positions is None
+        pos = torch.arange(start, start + n, device=tokens.device) if chain else positions
         h = self._target[0](tokens).to(state.k.dtype)                                  # [T, H]
         x = self.input_layernorm(h)
         a = self.self_attn
@@ -117,11 +126,16 @@ class GlideDrafter(nn.Module):
         outs = []
         for c0 in range(0, n, QUERY_CHUNK):                                           # self-attention
             p = pos[c0:c0 + QUERY_CHUNK]
-            lo = max(0, int(p[0]) - cfg.window)
-            j = torch.arange(lo, int(p[-1]) + 1, device=tokens.device)
-            visible = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] <= cfg.window)
-            outs.append(self._attend(q[:, c0:c0 + QUERY_CHUNK], state.k[:, lo:int(p[-1]) + 1],
-                                     state.v[:, lo:int(p[-1]) + 1], visible))
+            if chain:                                                                  # slots are positions
+                lo, hi = max(0, int(p[0]) - cfg.window), int(p[-1]) + 1
+                j = torch.arange(lo, hi, device=tokens.device)
+                visible = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] <= cfg.window)
+            else:                                                                      # committed + tree slots
+                lo, hi = 0, state.length
+                j = torch.arange(0, state.tree_base, device=tokens.device)
+                committed = (p[:, None] - j[None, :] <= cfg.window)
+                visible = torch.cat([committed, tree_visible[c0:c0 + QUERY_CHUNK]], dim=1)
+            outs.append(self._attend(q[:, c0:c0 + QUERY_CHUNK], state.k[:, lo:hi], state.v[:, lo:hi], visible))
         h = h + a.o_proj(torch.cat(outs))
         c = self.cross_attn
         xc = self.post_self_attention_layernorm(h)
@@ -135,3 +149,49 @@ class GlideDrafter(nn.Module):
 
     def crop(self, state: GlideState, length: int) -> None:
         state.length = min(state.length, length)
+
+
+@torch.no_grad()
+def glide_tree(drafter: GlideDrafter, state: GlideState, root_logits: torch.Tensor, anchor: int, widths,
+               target_cache):
+    """LongSpec's beam tree: level 1 = the top ``widths[0]`` tokens at the root; level i keeps the
+    global top ``widths[i-1]`` of parent cumulative log-prob + log p(child) over parents x vocab.
+    The root (the anchor) is the drafter's last committed entry. Returns ``(tokens, parents, depths,
+    node_logits)`` with node 0 the root and ``node_logits[i]`` the draft logits after node i (for the
+    nodes that were expanded); the drafter's tree entries are left after ``state.tree_base``."""
+    base_pos = state.length - 1                                   # the anchor's position
+    state.tree_base = state.length
+    tokens, parents, depths, scores = [anchor], [-1], [0], [0.0]
+    frontier, logits = [0], root_logits[None]                     # nodes of the last level and their logits
+    node_logits = {0: root_logits}
+    for level, width in enumerate(widths):
+        candidates = []
+        for node, row in zip(frontier, logits):
+            values, order = torch.sort(torch.log_softmax(row, -1), descending=True, stable=True)
+            candidates += [(scores[node] + float(v), node, int(t)) for v, t in zip(values[:width], order[:width])]
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        frontier = []
+        for score, parent, tok in candidates[:width]:
+            tokens.append(tok)
+            parents.append(parent)
+            depths.append(level + 1)
+            scores.append(score)
+            frontier.append(len(tokens) - 1)
+        if level + 1 == len(widths):
+            break
+        # this level's nodes through the drafter: each sees its tree ancestors among non-root nodes
+        n_tree = len(tokens) - 1                                  # non-root nodes so far
+        visible = torch.zeros(len(frontier), n_tree, dtype=torch.bool)
+        for row, node in enumerate(frontier):
+            a = node
+            while a > 0:
+                visible[row, a - 1] = True
+                a = parents[a]
+        new_slots = state.length - state.tree_base                # tree entries appended before this level
+        visible = visible[:, :new_slots + len(frontier)]
+        device = state.k.device
+        positions = torch.tensor([base_pos + depths[n] for n in frontier], device=device)
+        logits = drafter.forward_tokens(state, torch.tensor([tokens[n] for n in frontier], device=device),
+                                        target_cache, positions=positions, tree_visible=visible.to(device))
+        node_logits.update(zip(frontier, logits))
+    return tokens, parents, depths, node_logits

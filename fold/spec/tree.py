@@ -106,8 +106,24 @@ def accept_path(tokens, parents, target_argmax):
 
 
 @torch.no_grad()
+def verify_tree(target, cache, tokens, parents, depths, committed: int):
+    """Verify a tree (node 0 = the anchor at position ``committed``) in one target forward, compact
+    the cache to the accepted path. Returns ``(path, bonus, kept rows, hidden_states)``."""
+    device = next(target.parameters()).device
+    mask = tree_mask(parents).to(device)[None]
+    ids = torch.tensor([tokens], device=device)
+    positions = torch.tensor([depths], device=device) + committed
+    with tree_verification(target, mask, committed):
+        logits, hidden_states, cache = _hf.forward(target, ids, cache, position_ids=positions)
+    path, bonus = accept_path(tokens, parents, logits[0].argmax(-1).tolist())
+    kept = [0] + path
+    _hf.keep(cache, torch.cat([torch.arange(committed), committed + torch.tensor(kept)]).to(device))
+    return path, bonus, kept, hidden_states
+
+
+@torch.no_grad()
 def tree_round(target, drafter, state, cache, anchor: int, read, widths):
-    """One round: draft a tree, verify it, compact the cache, append the accepted features.
+    """One block-drafter round: draft a tree, verify it, compact the cache, append the accepted features.
 
     Returns ``(accepted tokens incl. the target's, tree nodes drafted, the verification's hidden
     states, the row of the last accepted node in them)``.
@@ -115,15 +131,6 @@ def tree_round(target, drafter, state, cache, anchor: int, read, widths):
     logits = drafter.slot_logits(state, anchor, read)
     markov = drafter.markov_bias if drafter.cfg.markov_rank else None
     tokens, parents, depths = build_tree(logits, widths, anchor, markov)
-    committed = state.length
-    device = state.k[0].device
-    mask = tree_mask(parents).to(device)[None]
-    ids = torch.tensor([tokens], device=device)
-    positions = torch.tensor([depths], device=device) + committed
-    with tree_verification(target, mask, committed):
-        out_logits, hidden_states, cache = _hf.forward(target, ids, cache, position_ids=positions)
-    path, bonus = accept_path(tokens, parents, out_logits[0].argmax(-1).tolist())
-    kept = [0] + path
-    _hf.keep(cache, torch.cat([torch.arange(committed), committed + torch.tensor(kept)]).to(device))
+    path, bonus, kept, hidden_states = verify_tree(target, cache, tokens, parents, depths, state.length)
     drafter.append_context(state, drafter.features(hidden_states)[:, kept])
     return [tokens[i] for i in path] + [bonus], len(tokens) - 1, hidden_states, kept[-1]
