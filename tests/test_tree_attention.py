@@ -9,18 +9,8 @@ import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
 from reference import tree_attention_ref
+from fold.spec.tree import tree_mask  # node i sees its ancestors and itself
 from reference.tolerance import check_close
-
-
-def mask_from_parents(parents):
-    """Node i sees its ancestors and itself; parents[i] < i or -1 for a root (topological order)."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        mask[i, i] = True
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
 
 
 @st.composite
@@ -32,7 +22,7 @@ def tree_cases(draw, dtypes):
     for _ in range(batch):
         parents = [i - 1 for i in range(n_tree)] if chain else \
             [draw(st.integers(-1, i - 1)) if i else -1 for i in range(n_tree)]
-        masks.append(mask_from_parents(parents))
+        masks.append(tree_mask(parents))
     max_len = draw(st.integers(1, 400))
     seqlens = draw(st.one_of(st.none(), st.lists(st.integers(0, max_len), min_size=batch, max_size=batch)))
     return dict(batch=batch, n_tree=n_tree, mask=torch.stack(masks), heads_kv=draw(st.integers(1, 2)),

@@ -64,6 +64,22 @@ def _accept(drafts, draft_probs, target_logits, temperature, generator):
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
 
 
+def _commit(new: list[int], accepted: list[int], max_new_tokens: int, eos: set[int], bar) -> None:
+    """Append a round's accepted tokens, stopping at max_new_tokens or an eos."""
+    before = len(new)
+    for token in accepted:
+        new.append(token)
+        if len(new) >= max_new_tokens or token in eos:
+            break
+    if bar is not None:
+        bar.update(len(new) - before)
+
+
+def _stats(rounds, drafted, new, prefill_s, decode_s) -> dict:
+    return dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
+                decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
+
+
 @torch.no_grad()
 def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read,
                   temperature: float, generator, bar=None, tree=None):
@@ -94,17 +110,8 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
         if hasattr(read, "after_verify"):                     # target-side retrieval (CMR)
             read.after_verify(target, hidden_states, cache, state.length, last_row)
         rounds.append(a + 1)
-        before = len(new)
-        for t in drafts[:a] + [token]:
-            new.append(t)
-            if len(new) >= max_new_tokens or t in eos:
-                break
-        if bar is not None:
-            bar.update(len(new) - before)
-    decode_s = time.perf_counter() - t1
-    stats = dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
-                 decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
-    return new, stats
+        _commit(new, drafts[:a] + [token], max_new_tokens, eos, bar)
+    return new, _stats(rounds, drafted, new, prefill_s, time.perf_counter() - t1)
 
 
 @torch.no_grad()
@@ -128,15 +135,8 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
             drafted += len(tokens) - 1
             path, token, _, _ = verify_tree(target, cache, tokens, parents, depths, t)
             drafter.crop(state, t + 1)                            # tree entries go; accepted ones are re-fed
-            drafts, a = [tokens[i] for i in path], len(path)
-            rounds.append(a + 1)
-            before = len(new)
-            for tok in drafts + [token]:
-                new.append(tok)
-                if len(new) >= max_new_tokens or tok in eos:
-                    break
-            if bar is not None:
-                bar.update(len(new) - before)
+            rounds.append(len(path) + 1)
+            _commit(new, [tokens[i] for i in path] + [token], max_new_tokens, eos, bar)
             continue
         drafts, probs = [], []
         for i in range(gamma):
@@ -153,17 +153,8 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
         _hf.crop(cache, t + a + 1)
         drafter.crop(state, t + a + 1)                            # its entries for the accepted prefix stay
         rounds.append(a + 1)
-        before = len(new)
-        for tok in drafts[:a] + [token]:
-            new.append(tok)
-            if len(new) >= max_new_tokens or tok in eos:
-                break
-        if bar is not None:
-            bar.update(len(new) - before)
-    decode_s = time.perf_counter() - t1
-    stats = dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
-                 decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
-    return new, stats
+        _commit(new, drafts[:a] + [token], max_new_tokens, eos, bar)
+    return new, _stats(rounds, drafted, new, prefill_s, time.perf_counter() - t1)
 
 
 def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str | None = None,
@@ -288,7 +279,5 @@ def autoregressive(target, input_ids: torch.Tensor, *, max_new_tokens: int, atte
             new.append(_sample(logits[0, -1], temperature, generator))
         decode_s = time.perf_counter() - t1
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
-        all_stats.append(dict(rounds=len(new) - 1, accepted_per_round=[1] * (len(new) - 1), drafted_tokens=0,
-                              prefill_s=prefill_s, decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1),
-                              new_tokens=len(new)))
+        all_stats.append(_stats([1] * (len(new) - 1), 0, new, prefill_s, decode_s))
     return _assemble(rows, all_stats, eos, input_ids)

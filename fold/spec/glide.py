@@ -23,6 +23,7 @@ import fold
 from fold._torch_backend import _rotate
 from fold.spec import _hf
 from fold.spec.drafter import MLP, RMSNorm
+from fold.spec.tree import expand_level
 
 QUERY_CHUNK = 512   # prefill queries per step, so masks stay [chunk, L]
 
@@ -165,18 +166,7 @@ def glide_tree(drafter: GlideDrafter, state: GlideState, root_logits: torch.Tens
     frontier, logits = [0], root_logits[None]                     # nodes of the last level and their logits
     node_logits = {0: root_logits}
     for level, width in enumerate(widths):
-        candidates = []
-        for node, row in zip(frontier, logits):
-            values, order = torch.sort(torch.log_softmax(row, -1), descending=True, stable=True)
-            candidates += [(scores[node] + float(v), node, int(t)) for v, t in zip(values[:width], order[:width])]
-        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        frontier = []
-        for score, parent, tok in candidates[:width]:
-            tokens.append(tok)
-            parents.append(parent)
-            depths.append(level + 1)
-            scores.append(score)
-            frontier.append(len(tokens) - 1)
+        frontier = expand_level(tokens, parents, depths, scores, list(zip(frontier, logits)), width)
         if level + 1 == len(widths):
             break
         # this level's nodes through the drafter: each sees its tree ancestors among non-root nodes

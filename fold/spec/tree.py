@@ -51,28 +51,37 @@ def tree_verification(target, tree_mask: torch.Tensor, committed: int):
         _CURRENT.reset(token)
 
 
+def expand_level(tokens, parents, depths, scores, rows, width: int) -> list[int]:
+    """Add one level: the ``width`` best children by cumulative log-probability over ``rows`` =
+    ``[(parent node, logits over the vocab)]``; ties go to the earlier parent, then the lower token.
+    Appends to ``tokens/parents/depths/scores`` in place and returns the new nodes."""
+    candidates = []
+    for node, row in rows:
+        values, order = torch.sort(torch.log_softmax(row.float(), dim=-1), descending=True, stable=True)
+        candidates += [(scores[node] + float(v), node, int(t)) for v, t in zip(values[:width], order[:width])]
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    new = []
+    for score, parent, tok in candidates[:width]:
+        tokens.append(tok)
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+        scores.append(score)
+        new.append(len(tokens) - 1)
+    return new
+
+
 def build_tree(slot_logits: torch.Tensor, widths, anchor: int, markov_bias=None):
     """Level i keeps the ``widths[i]`` best paths by cumulative draft log-probability.
 
     ``slot_logits [n_slots, V]``; ``markov_bias(token) -> [V]`` adds DSpark's parent-dependent bias.
     Returns ``(tokens, parents, depths)`` in level order, node 0 being the anchor (the root).
     """
-    tokens, parents, depths = [anchor], [-1], [0]
-    frontier = [(0.0, 0)]                                               # (cumulative log-prob, node)
+    tokens, parents, depths, scores = [anchor], [-1], [0], [0.0]
+    frontier = [0]
     for level, width in enumerate(widths[:slot_logits.shape[0]]):
-        candidates = []
-        for score, node in frontier:
-            row = slot_logits[level] + (markov_bias(tokens[node]) if markov_bias is not None else 0)
-            logp = torch.log_softmax(row.float(), dim=-1)
-            values, order = torch.sort(logp, descending=True, stable=True)    # ties: the lower token id
-            candidates += [(score + float(lp), node, int(tok)) for lp, tok in zip(values[:width], order[:width])]
-        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        frontier = []
-        for score, parent, tok in candidates[:width]:
-            tokens.append(tok)
-            parents.append(parent)
-            depths.append(level + 1)
-            frontier.append((score, len(tokens) - 1))
+        rows = [(node, slot_logits[level] + (markov_bias(tokens[node]) if markov_bias is not None else 0))
+                for node in frontier]
+        frontier = expand_level(tokens, parents, depths, scores, rows, width)
     return tokens, parents, depths
 
 
