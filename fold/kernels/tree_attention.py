@@ -14,8 +14,7 @@ import triton.language as tl
 
 from fold.kernels.fold_attention import INTERPRETED, LOG2E, FoldConfig, fold_attention_fwd
 
-# Rows per program of the tree kernel; the tree itself is one tile (n_tree is small).
-TREE_BLOCK_M = (16, 32, 64)
+# The tree is one tile (n_tree is small); rows per program are the launcher's block_m (a power of two >= 16).
 LOG2E_C = tl.constexpr(LOG2E)  # an fp32 constant in the kernel, not a Python float literal
 
 

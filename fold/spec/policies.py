@@ -127,7 +127,10 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048
         return lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=sinks, recent=recent, backend=backend)
     if policy == "yarn":
         factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"], reference_len)
-        theta = rope_theta if rope_theta is not None else 1.0 / float(rope.inv_freq[1]) ** (rope.rotary_dim / 2)
+        if rope_theta is None and rope.inv_freq.numel() < 2:
+            raise ValueError("yarn needs rope_theta=... for a rotary_dim of 2 (it cannot be read off inv_freq)")
+        # inv_freq[i] = theta ** (-2i / rotary_dim), so theta = inv_freq[1] ** (-rotary_dim / 2)
+        theta = rope_theta if rope_theta is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
         scaled = yarn_rope(rope, factor, reference_len, theta)
         return lambda q, k, v, layer: plain_read(q, k, v, scaled, backend)
     if policy == "rerope":
