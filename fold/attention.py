@@ -98,29 +98,39 @@ def _check_tensor(name, x, shape_doc):
         raise ValueError(f"{name} must have shape {shape_doc} (4 dims), got {tuple(x.shape)}")
 
 
-def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax_scale, return_lse, backend):
-    _check_tensor("q", q, "[batch, n_q, heads_q, head_dim]")
-    _check_tensor("k", k, "[batch, max_len, heads_kv, head_dim]")
-    _check_tensor("v", v, "[batch, max_len, heads_kv, head_dim]")
-    batch, n_q, heads_q, head_dim = q.shape
+def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=()):
+    """Shapes, dtypes and devices of ``q`` and a cache ``k, v [batch, max_len, heads_kv, head_dim]``;
+    ``extra`` = ``[(name, tensor)]`` more tensors that must share q's dtype and device.
+    Returns ``(batch, n, heads_q, head_dim, max_len, heads_kv)``."""
+    _check_tensor("q", q, q_doc)
+    _check_tensor(k_name, k, "[batch, max_len, heads_kv, head_dim]")
+    _check_tensor(v_name, v, "[batch, max_len, heads_kv, head_dim]")
+    batch, n, heads_q, head_dim = q.shape
     if min(q.shape) == 0:
-        raise ValueError(f"q must have shape [batch, n_q, heads_q, head_dim] with no empty dim, got {tuple(q.shape)}")
+        raise ValueError(f"q must have shape {q_doc} with no empty dim, got {tuple(q.shape)}")
     if k.shape[0] != batch or k.shape[3] != head_dim or k.shape[2] == 0:
-        raise ValueError(f"k must have shape [batch={batch}, max_len, heads_kv, head_dim={head_dim}], got {tuple(k.shape)}")
+        raise ValueError(f"{k_name} must have shape [batch={batch}, max_len, heads_kv, head_dim={head_dim}], "
+                         f"got {tuple(k.shape)}")
     if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+        raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
     max_len, heads_kv = k.shape[1], k.shape[2]
     if heads_q % heads_kv:
-        raise ValueError(f"heads_q={heads_q} (q.shape[2]) must be a multiple of heads_kv={heads_kv} (k.shape[2])")
-    if max_len < n_q:
-        raise ValueError(f"k must hold at least n_q={n_q} entries (the block's own), got max_len={max_len}")
+        raise ValueError(f"heads_q={heads_q} (q.shape[2]) must be a multiple of heads_kv={heads_kv} ({k_name}.shape[2])")
     if q.dtype not in TORCH_DTYPES:
         raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
+    for name, x in ((k_name, k), (v_name, v), *extra):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
+    return batch, n, heads_q, head_dim, max_len, heads_kv
+
+
+def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax_scale, return_lse, backend):
+    batch, n_q, heads_q, head_dim, max_len, heads_kv = validate_query_and_cache(
+        q, k, v, q_doc="[batch, n_q, heads_q, head_dim]")
+    if max_len < n_q:
+        raise ValueError(f"k must hold at least n_q={n_q} entries (the block's own), got max_len={max_len}")
     if isinstance(window, bool) or not isinstance(window, numbers.Integral):
         raise TypeError(f"window must be an int, got {type(window).__name__}")
     if window < 0:

@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 
-from fold.attention import TORCH_DTYPES, _check_tensor, _validate_seqlens, resolve_backend, validate_scale
+from fold.attention import _check_tensor, _validate_seqlens, resolve_backend, validate_query_and_cache, \
+    validate_scale
 
 
 def tree_attention(q, k_cache, v_cache, k_tree, v_tree, tree_mask, *, cache_seqlens=None, softmax_scale=None,
@@ -36,34 +37,16 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, tree_mask, *, cache_seql
         >>> mask = torch.ones(1, 4, 4, dtype=torch.bool).tril()       # a chain of 4 nodes
         >>> out = fold.tree_attention(q, k_cache, v_cache, k_tree, v_tree, mask)
     """
-    _check_tensor("q", q, "[batch, n_tree, heads_q, head_dim]")
-    _check_tensor("k_cache", k_cache, "[batch, max_len, heads_kv, head_dim]")
-    _check_tensor("v_cache", v_cache, "[batch, max_len, heads_kv, head_dim]")
     _check_tensor("k_tree", k_tree, "[batch, n_tree, heads_kv, head_dim]")
     _check_tensor("v_tree", v_tree, "[batch, n_tree, heads_kv, head_dim]")
-    batch, n_tree, heads_q, head_dim = q.shape
-    if min(q.shape) == 0:
-        raise ValueError(f"q must have shape [batch, n_tree, heads_q, head_dim] with no empty dim, got {tuple(q.shape)}")
-    if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim or k_cache.shape[2] == 0:
-        raise ValueError(f"k_cache must have shape [batch={batch}, max_len, heads_kv, head_dim={head_dim}], "
-                         f"got {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    heads_kv = k_cache.shape[2]
+    batch, n_tree, heads_q, head_dim, _, heads_kv = validate_query_and_cache(
+        q, k_cache, v_cache, q_doc="[batch, n_tree, heads_q, head_dim]", k_name="k_cache", v_name="v_cache",
+        extra=(("k_tree", k_tree), ("v_tree", v_tree)))
     want_tree = (batch, n_tree, heads_kv, head_dim)
     for name, x in (("k_tree", k_tree), ("v_tree", v_tree)):
         if tuple(x.shape) != want_tree:
             raise ValueError(f"{name} must have shape [batch, n_tree, heads_kv, head_dim] = {want_tree}, "
                              f"got {tuple(x.shape)}")
-    if heads_q % heads_kv:
-        raise ValueError(f"heads_q={heads_q} (q.shape[2]) must be a multiple of heads_kv={heads_kv} (k_cache.shape[2])")
-    if q.dtype not in TORCH_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_tree", k_tree), ("v_tree", v_tree)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool:
         raise TypeError(f"tree_mask must be a bool tensor of shape [batch, n_tree, n_tree], got "
                         f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)}")

@@ -120,3 +120,14 @@ def make_glide(path, target, seed=0, window=None):
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
     return path
+
+
+def padded_batch(prompts, side="left"):
+    """``(input_ids, attention_mask)`` of 1-D prompts padded with zeros on ``side``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[b, cols], mask[b, cols] = p, 1
+    return ids, mask

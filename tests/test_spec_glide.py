@@ -7,7 +7,7 @@ import torch
 
 from fold import spec
 from fold.spec.glide import GlideDrafter
-from tests.spec_fixtures import greedy_ar, make_glide, make_target
+from tests.spec_fixtures import greedy_ar, make_glide, make_target, padded_batch
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -29,11 +29,7 @@ def test_loads_as_glide(glide):
 def test_glide_chain_is_lossless_at_batch_three(target, glide, gamma):
     g = torch.Generator().manual_seed(gamma)
     prompts = [torch.randint(0, 90, (n,), generator=g) for n in (30, 12, 21)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)], mask[b, :len(p)] = p, 1                       # right padding this time
+    ids, mask = padded_batch(prompts, "right")                         # right padding this time
     result = spec.generate(target, glide, ids, attention_mask=mask, max_new_tokens=18, gamma=gamma)
     for b, p in enumerate(prompts):
         want = greedy_ar(target, p, 18)
@@ -50,11 +46,7 @@ def test_glide_refuses_policies(target, glide):
 def test_glide_tree_is_lossless_at_batch_three(target, glide, tree):
     g = torch.Generator().manual_seed(len(tree))
     prompts = [torch.randint(0, 90, (n,), generator=g) for n in (26, 9, 17)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    ids, mask = padded_batch(prompts, "left")
     result = spec.generate(target, glide, ids, attention_mask=mask, max_new_tokens=16, tree=tree)
     for b, p in enumerate(prompts):
         want = greedy_ar(target, p, 16)

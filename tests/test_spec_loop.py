@@ -5,7 +5,7 @@ import torch
 
 from fold import spec
 from fold.spec.policies import BUILT
-from tests.spec_fixtures import greedy_ar, make_drafter, make_target
+from tests.spec_fixtures import greedy_ar, make_drafter, make_target, padded_batch
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -41,11 +41,7 @@ def test_lossless_batch_one(target, drafter, policy):
 @pytest.mark.parametrize("policy", BUILT)
 def test_lossless_batch_three_left_padded(target, drafter, policy):
     prompts = _prompts([40, 17, 29], seed=1)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    ids, mask = padded_batch(prompts, "left")
     result = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, policy=policy,
                            **OPTIONS[policy])
     for b, p in enumerate(prompts):

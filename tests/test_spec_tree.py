@@ -5,7 +5,7 @@ import torch
 
 from fold import spec
 from fold.spec.tree import accept_path, build_tree, tree_mask
-from tests.spec_fixtures import greedy_ar, make_drafter, make_target
+from tests.spec_fixtures import greedy_ar, make_drafter, make_target, padded_batch
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -24,11 +24,7 @@ def drafter(request, target, tmp_path_factory):
 def test_tree_verification_is_lossless(target, drafter, tree, policy):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 90, (n,), generator=g) for n in (33, 18, 25)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    ids, mask = padded_batch(prompts, "left")
     result = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, policy=policy, window=8,
                            tree=tree)
     for b, p in enumerate(prompts):
