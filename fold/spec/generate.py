@@ -216,6 +216,10 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
         if temperature != 0.0:
             raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
+        if not getattr(target, "_supports_attention_backend", False):
+            raise ValueError(f"tree verification runs fold.tree_attention through transformers' AttentionInterface; "
+                             f"{type(target).__name__} does not dispatch its attention there, so use a chain "
+                             "(tree=None)")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     if not glide:
         make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),

@@ -153,7 +153,13 @@ class CMRRead:
 @torch.no_grad()
 def target_attention_weights(target, hidden_states, cache, committed: int, row: int) -> torch.Tensor:
     """Softmax weights of the query at position ``committed - 1`` over keys ``[0, committed)`` in the
-    target's last full-attention layer, averaged over heads -> ``[committed]``."""
+    target's last full-attention layer, averaged over heads -> ``[committed]``.
+
+    A target whose attention is not Llama-shaped can provide the same scores as
+    ``target.fold_attention_weights(hidden_states, cache, committed, row)`` (the demo's toy does).
+    """
+    if hasattr(target, "fold_attention_weights"):
+        return target.fold_attention_weights(hidden_states, cache, committed, row)
     layers = target.model.layers
     types = getattr(target.config, "layer_types", None) or ["full_attention"] * len(layers)
     index = max(i for i, t in enumerate(types) if t == "full_attention")
