@@ -72,6 +72,17 @@ def test_toy_target_cache_matches_full_forward(tmp_path):
         torch.testing.assert_close(again, full[:, 77:90], rtol=1e-4, atol=1e-5)
 
 
+def test_toy_target_reloads_exactly(tmp_path):
+    # from_pretrained builds modules on the meta device: nothing the forward needs may be left out of the
+    # checkpoint (a non-persistent RoPE buffer once came back as uninitialised memory)
+    torch.manual_seed(0)
+    model = FoldToyForCausalLM(FoldToyConfig(hidden_size=32, intermediate_size=64, head_dim=8, sliding_window=16))
+    model.save_pretrained(tmp_path / "t")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 50))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_toy_target_refuses_padding(tmp_path):
     target = _tiny_target(tmp_path / "t")
     with pytest.raises(ValueError, match="attention_mask"):

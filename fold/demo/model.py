@@ -96,9 +96,13 @@ class LocalAttention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
         self.heads_q, self.heads_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.window = cfg.sliding_window
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.window, self.rope_theta = cfg.sliding_window, cfg.rope_theta
+
+    def inv_freq(self, device) -> torch.Tensor:
+        # computed per call, not a buffer: from_pretrained builds modules on the meta device and
+        # leaves non-persistent buffers that are not in the checkpoint uninitialised
+        d = self.head_dim
+        return 1.0 / self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
 
     def forward(self, x, cache, layer_idx: int):
         b, t, _ = x.shape
@@ -106,7 +110,7 @@ class LocalAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads_q, self.head_dim).transpose(1, 2)       # [B, Hq, T, d]
         k = self.k_proj(x).view(b, t, self.heads_kv, self.head_dim).transpose(1, 2)      # [B, Hkv, T, d]
         v = self.v_proj(x).view(b, t, self.heads_kv, self.head_dim).transpose(1, 2)
-        angle = torch.arange(past, past + t, device=x.device, dtype=torch.float32)[:, None] * self.inv_freq
+        angle = torch.arange(past, past + t, device=x.device, dtype=torch.float32)[:, None] * self.inv_freq(x.device)
         cos, sin = torch.cat([angle.cos()] * 2, -1).to(x.dtype), torch.cat([angle.sin()] * 2, -1).to(x.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
