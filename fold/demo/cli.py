@@ -18,6 +18,7 @@ bootstrap CIs over prompts; writes ``results.json``, ``table.txt`` and ``tau_vs_
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -35,6 +36,32 @@ PRESETS = {
 }
 SHIFTS = (0, 1024, 4096, 8192, 32768)
 ANSWER_TOKENS = 18          # a retrieval answer: " " + two 8-hex words joined by a space
+
+
+class PrefillMemo:
+    """The target with its prompt forwards memoised (a fresh copy of the cache each time).
+
+    Every row of a cell runs the same prompts, and the demo compares TPOT, which excludes the
+    prefill, so computing it once per prompt changes no number and saves most of the run time.
+    """
+
+    def __init__(self, target):
+        self.target, self.memo = target, {}
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, input_ids, cache=None, **kwargs):
+        if cache is not None or not kwargs.get("use_cache"):
+            return self.target(input_ids, cache=cache, **kwargs)
+        key = (input_ids.numpy().tobytes(), tuple(sorted(kwargs.items())))
+        if key not in self.memo:
+            self.memo[key] = self.target(input_ids, **kwargs)
+        out = self.memo[key]
+        return type(out)(logits=out.logits, hidden_states=out.hidden_states,
+                         past_key_values=copy.deepcopy(out.past_key_values))
+
+    __call__ = forward
 
 
 def load_pair(dtype=torch.float32):
@@ -127,8 +154,10 @@ def run_comparison(target, drafter, anchor, *, tasks, lengths, rows, prompts, ne
     _, held = data.split_corpus()
     train_len = training_length(drafter)
     records = []
+    target = PrefillMemo(target)
     for task in tasks:
         for length in lengths:
+            target.memo.clear()
             ids = torch.tensor([list(p) for p in prompts_for(task, length, prompts, seed, held)])
             n_new = ANSWER_TOKENS if task == "retrieval" else new_tokens
             ar = spec.autoregressive(target, ids, max_new_tokens=n_new)
@@ -158,6 +187,7 @@ def run_shift(target, drafter, anchor, *, prompts, new_tokens, seed, length=512,
     from fold.spec.metrics import per_sequence_speedup, per_sequence_tau
 
     _, held = data.split_corpus()
+    target = PrefillMemo(target)
     ids = torch.tensor([list(p) for p in prompts_for("code", length, prompts, seed, held)])
     ar = spec.autoregressive(target, ids, max_new_tokens=new_tokens)
     records = []

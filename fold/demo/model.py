@@ -115,11 +115,15 @@ class LocalAttention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
-        start = max(0, past - self.window + 1)              # older entries are outside every row's window
-        k, v = k[:, :, start:], v[:, :, start:]
-        i = torch.arange(past, past + t, device=x.device)[:, None]
-        j = torch.arange(start, start + k.shape[2], device=x.device)[None, :]
-        return self.o_proj(_attend(q, k, v, (j <= i) & (j > i - self.window), self.head_dim ** -0.5))
+        outs = []
+        for lo in range(0, t, self.window):                 # query chunks: each reads <= 2 windows of keys
+            hi = min(t, lo + self.window)
+            start = max(0, past + lo - self.window + 1)     # older entries are outside every row's window
+            i = torch.arange(past + lo, past + hi, device=x.device)[:, None]
+            j = torch.arange(start, past + hi, device=x.device)[None, :]
+            outs.append(_attend(q[:, :, lo:hi], k[:, :, start:past + hi], v[:, :, start:past + hi],
+                                (j <= i) & (j > i - self.window), self.head_dim ** -0.5))
+        return self.o_proj(torch.cat(outs, 1))
 
 
 class GlobalAttention(nn.Module):
