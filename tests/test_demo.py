@@ -71,18 +71,21 @@ def test_tree_verification_is_refused_for_the_toy_target(pair):
 
 def test_reduced_demo_runs_and_reports(tmp_path, capsys):
     code = cli.main(["--lengths", "1024", "--rows", "dflash", "fold", "--prompts", "2", "--new-tokens", "12",
-                     "--window", "128", "--out", str(tmp_path), "--no-progress"])
+                     "--window", "128", "--out", str(tmp_path), "--no-progress", "--shift"])
     assert code == 0
     records = json.loads((tmp_path / "results.json").read_text())
     keys = {"task", "length", "policy", "tau", "tau_ci", "speedup", "speedup_ci", "lossless"}
     assert all(keys <= set(r) for r in records)
-    assert {(r["task"], r["policy"]) for r in records} == {(t, p) for t in ("code", "retrieval")
-                                                           for p in ("AR", "dflash", "fold")}
+    assert {(r["task"], r["policy"]) for r in records if r["task"] != "shift"} == {
+        (t, p) for t in ("code", "retrieval") for p in ("AR", "dflash", "fold")}
+    shifted = [r for r in records if r["task"] == "shift"]
+    assert {(r["policy"], r["shift"]) for r in shifted} == {(p, s) for p in ("dflash", cli.ANCHOR_ROW)
+                                                            for s in cli.SHIFTS}
     assert all(r["lossless"] for r in records)
     assert all(r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] for r in records)
     assert (tmp_path / "tau_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "lossless: 4/4 runs" in printed and "retrieval" in printed
+    assert f"lossless: {4 + len(shifted)}/{4 + len(shifted)} runs" in printed and "retrieval" in printed
 
 
 def test_shift_read_at_zero_equals_the_plain_read(pair):

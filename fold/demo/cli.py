@@ -207,14 +207,14 @@ def run_shift(target, drafter, anchor, *, prompts, new_tokens, seed, length=512,
 
 
 def _generate_with_read(target, drafter, ids, new_tokens, read):
-    from fold.spec import generate as gen
+    from fold.spec.generate import _assemble, _generate_one
 
     rows, stats = [], []
     for b in range(ids.shape[0]):
-        new, st = gen._generate_one(target, drafter, ids[b], new_tokens, set(), read, 0.0, None)
+        new, st = _generate_one(target, drafter, ids[b], new_tokens, set(), read, 0.0, None)
         rows.append(torch.cat([ids[b], torch.tensor(new, dtype=ids.dtype)]))
         stats.append(st)
-    return gen._assemble(rows, stats, set(), ids)
+    return _assemble(rows, stats, set(), ids)
 
 
 def format_table(records: list[dict]) -> str:
@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     records = run_comparison(target, drafter, anchor, tasks=args.tasks, lengths=lengths, rows=rows, prompts=prompts,
                              new_tokens=new_tokens, window=args.window, alpha=args.alpha, seed=args.seed, bar=bar,
                              log=log)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(records, indent=1))      # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, prompts=prompts, new_tokens=new_tokens, seed=args.seed, bar=bar)
     if bar is not None:
