@@ -232,3 +232,22 @@ def test_cmr_target_weights_match_transformers_attention(tmp_path):
     want = target(ids, output_attentions=True).attentions[-1][0, :, -1].mean(dim=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert transformers is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_dflash_read_keeps_rotated_keys_across_rounds(dtype):
+    # the context grows round by round (and past the first buffer); every call must equal the
+    # dense read of that round, block rows included, layers kept apart
+    g = torch.Generator().manual_seed(1)
+    read = make_read("dflash", ROPE, request={})
+    k_all = torch.randn(1, 2600, HKV, D, generator=g, dtype=dtype)
+    v_all = torch.randn(1, 2600, HKV, D, generator=g, dtype=dtype)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    for n in (3, 9, 40, 1100, 1101, 2590):
+        for layer in (0, 1):
+            q = torch.randn(1, N_Q, HQ, D, generator=g, dtype=dtype)
+            k = torch.cat([k_all[:, :n], torch.randn(1, N_Q, HKV, D, generator=g, dtype=dtype)], 1)
+            v = torch.cat([v_all[:, :n], torch.randn(1, N_Q, HKV, D, generator=g, dtype=dtype)], 1)
+            q64, k64, v64 = q[0].double(), k[0].double(), v[0].double()
+            expected = _attend(_logits(_rot(q64, torch.arange(n, n + N_Q)), _rot(k64, torch.arange(n + N_Q))), v64)
+            torch.testing.assert_close(read(q, k, v, layer), expected.to(dtype), **tol)

@@ -4,7 +4,8 @@ Every read gets the block's pre-RoPE queries ``q [1, n_q, Hq, d]`` and the layer
 ``k, v [1, L, Hkv, d]`` whose last ``n_q`` rows are the block (row r at true position ``n + r``),
 and returns ``o [1, n_q, Hq, d]``. Settings follow the FOLD paper's Appendix B.3:
 
-- ``dflash``: the original drafter, every entry at its true position.
+- ``dflash``: the original drafter, every entry at its true position (context keys rotated once and kept,
+  as an engine caches them: :class:`CachedPlainRead`).
 - ``window``: FOLD's window ``N_p`` alone (row r sees ``j > n + r - D``), one softmax.
 - ``fold``: ``fold.attention`` (window ``W``, far memory at the shared position, ``alpha``); while a
   sequence fits in the window it runs the plain read (length dispatch).
@@ -35,6 +36,41 @@ PLANNED: tuple[str, ...] = ()
 def plain_read(q, k, v, rope, backend="auto"):
     """Every entry at its true position: FOLD with a window covering the whole cache."""
     return fold.attention(q, k, v, window=k.shape[1], rope=rope, alpha=1.0, backend=backend)
+
+
+class CachedPlainRead:
+    """Every entry at its true position, run as a DFlash engine runs it: each context key is rotated
+    once, the first time it is read, and kept; only the block's rows are rotated every round. Same
+    math as :func:`plain_read`. Stateful: one per sequence (the context only grows)."""
+
+    def __init__(self, rope: fold.Rope):
+        self.rope = rope
+        self.rotated: dict[int, torch.Tensor] = {}      # layer -> [Hkv, capacity, d] rotated keys
+        self.count: dict[int, int] = {}                 # layer -> context entries rotated so far
+
+    def _rotate(self, x, start, work):
+        # x [T, Hkv, d] at positions start .. start + T - 1 -> [Hkv, T, d]; angles in float64
+        pos = torch.arange(start, start + x.shape[0], device=x.device, dtype=torch.float64)
+        inv_freq = self.rope.inv_freq_on(x.device).double()
+        return _rotate(x.transpose(0, 1).to(work), pos, inv_freq, self.rope.rotary_dim, self.rope.interleaved,
+                       self.rope.attention_factor).to(work)
+
+    def __call__(self, q, k, v, layer):
+        _, n_q, heads_q, head_dim = q.shape
+        n = k.shape[1] - n_q
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        done = self.count.get(layer, 0)
+        buf = self.rotated.get(layer)
+        if buf is None or done > n or buf.shape[1] < n or buf.dtype != work:
+            done, buf = 0, torch.empty(k.shape[2], max(2 * n, 1024), head_dim, dtype=work, device=k.device)
+        if n > done:
+            buf[:, done:n] = self._rotate(k[0, done:n], done, work)
+        self.rotated[layer], self.count[layer] = buf, n
+        keys = torch.cat([buf[:, :n], self._rotate(k[0, n:], n, work)], dim=1)               # [Hkv, L, d]
+        qs = self._rotate(q[0], n, work)                                                    # [Hq, n_q, d]
+        o = torch.nn.functional.scaled_dot_product_attention(qs[None], keys[None], v[0].transpose(0, 1).to(work)[None],
+                                                             scale=head_dim ** -0.5, enable_gqa=True)
+        return o[0].transpose(0, 1)[None].to(q.dtype)
 
 
 def window_read(q, k, v, *, rope, window, softmax_scale=None):
@@ -114,11 +150,13 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048
               cmr_top: int = 64, cmr_every: int = 8):
     """The read of ``policy``; ``request`` = dict(prompt_len, max_new_tokens, block_size) for YaRN."""
     if policy == "dflash":
-        return lambda q, k, v, layer: plain_read(q, k, v, rope, backend)
+        return CachedPlainRead(rope)
     if policy == "fold":
+        short = CachedPlainRead(rope)
+
         def read(q, k, v, layer):
             if k.shape[1] - q.shape[1] <= window:          # length dispatch: nothing is far yet
-                return plain_read(q, k, v, rope, backend)
+                return short(q, k, v, layer)
             return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
         return read
     if policy == "window":
@@ -131,8 +169,7 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048
             raise ValueError("yarn needs rope_theta=... for a rotary_dim of 2 (it cannot be read off inv_freq)")
         # inv_freq[i] = theta ** (-2i / rotary_dim), so theta = inv_freq[1] ** (-rotary_dim / 2)
         theta = rope_theta if rope_theta is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
-        scaled = yarn_rope(rope, factor, reference_len, theta)
-        return lambda q, k, v, layer: plain_read(q, k, v, scaled, backend)
+        return CachedPlainRead(yarn_rope(rope, factor, reference_len, theta))
     if policy == "rerope":
         return lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window, training_length=training_length)
     if policy == "infllm":
