@@ -31,6 +31,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fold.spec.drafter import MLP, RMSNorm          # the same blocks (they read hidden/intermediate sizes)
+
 
 class FoldToyConfig(PretrainedConfig):
     model_type = "fold_toy"
@@ -57,18 +59,6 @@ class FoldToyConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.mask_token_id = mask_token_id
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
 
 def _rotate_half(x):
@@ -182,17 +172,6 @@ class GlobalAttention(nn.Module):
         q = self.q_conv(x_in_last.T[None]).view(self.heads_q, 1, self.head_dim)               # [Hq, 1, d]
         k = keys[0].repeat_interleave(self.heads_q // self.heads_kv, 0)                        # [Hq, S, d]
         return torch.softmax((q @ k.transpose(1, 2)).float() * self.head_dim ** -0.5, -1)[:, 0].mean(0)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: FoldToyConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FoldToyLayer(nn.Module):
