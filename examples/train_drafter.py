@@ -32,11 +32,12 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-import fold
 import fold.demo  # noqa: F401  (registers the fold_toy target)
 from fold.demo import data
 from fold.spec import load_drafter
 from fold.spec.drafter import Drafter, DrafterConfig
+from fold.spec.loading import read_config
+from fold.spec.policies import plain_read
 
 
 def drafter_config(target_config, args) -> dict:
@@ -163,8 +164,6 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     config = drafter_config(target.config, args)
     (args.out / "config.json").write_text(json.dumps(config, indent=1))
-    from fold.spec.loading import read_config
-
     cfg: DrafterConfig = read_config(args.out, target.config)
     drafter = Drafter(cfg)
     drafter.bind(target)
@@ -205,7 +204,7 @@ def main(argv=None):
     drafter.eval()
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(args.out / "model.safetensors"))
-    log["load_check_max_abs_diff"] = check_loaded(args.out, target, drafter, rng, code, args)
+    log["load_check_max_abs_diff"] = check_loaded(args.out, target, rng, code, args)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
     print(f"saved {args.out} (loaded back through spec.load_drafter; "
           f"max |logit diff| vs the training forward {log['load_check_max_abs_diff']:.3g})")
@@ -213,9 +212,9 @@ def main(argv=None):
 
 
 @torch.no_grad()
-def check_loaded(path, target, trained, rng, code, args) -> float:
-    """Load the directory through ``spec.load_drafter`` and compare its inference path with the
-    training forward of the (bf16-rounded) trained module on one block at true positions."""
+def check_loaded(path, target, rng, code, args) -> float:
+    """Load the directory through ``spec.load_drafter`` and compare its inference path (the plain
+    read) with the training forward of the same loaded (bf16-rounded) weights on one block."""
     loaded = load_drafter(path, target).float()
     ids = torch.tensor([list(data.training_sample(rng, code, 256))])
     out = target(ids, output_hidden_states=True)
@@ -223,9 +222,8 @@ def check_loaded(path, target, trained, rng, code, args) -> float:
     a = 200
     state = loaded.new_state(256, ids.device, torch.float32)
     loaded.append_context(state, features[:, :a])
-    read = lambda q, k, v, layer: fold.attention(q, k, v, window=k.shape[1], rope=loaded.cfg.rope,  # noqa: E731
-                                                 backend="torch")
-    inference = loaded.slot_logits(state, int(ids[0, a]), read)
+    inference = loaded.slot_logits(state, int(ids[0, a]),
+                                   lambda q, k, v, layer: plain_read(q, k, v, loaded.cfg.rope, "torch"))
     training = block_logits(loaded, features, ids, torch.tensor([[a]]), torch.arange(256 + args.block_size)[None])
     return float((inference - training[0, 0]).abs().max())
 

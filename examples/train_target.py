@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fold.demo import FoldToyConfig, FoldToyForCausalLM
-from fold.demo import data
+from fold import spec
+from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
 
 
 def batch_of(rng, code, batch, seq_len):
@@ -51,13 +51,8 @@ def retrieval_accuracy(model, rng, length, trials=4, min_distance=None):
         prompt = data.retrieval_prompt(rng, length, min_distance or length // 2)
         key = prompt.rsplit(b"\n", 1)[-1]
         answer = prompt.split(b"\n" + key, 1)[1].split(b"\n", 1)[0]           # " v1 v2"
-        out = model(torch.tensor([list(prompt)]), use_cache=True)
-        cache, token, got = out.past_key_values, int(out.logits[0, -1].argmax()), []
-        for _ in range(len(answer)):
-            got.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-            token = int(out.logits[0, -1].argmax())
-        hits += bytes(got) == answer
+        out = spec.autoregressive(model, torch.tensor([list(prompt)]), max_new_tokens=len(answer))
+        hits += bytes(out.sequences[0, len(prompt):].tolist()) == answer
     return hits / trials
 
 

@@ -38,7 +38,7 @@ def test_shipped_artifacts_are_small_and_in_real_formats():
 def test_shipped_pair_is_lossless_on_every_policy(pair, policy):
     target, drafter, _ = pair
     rng = random.Random(7)
-    _, held = data.split_corpus()
+    held = data.held_out_code()
     prompts = [torch.tensor(list(data.code_prompt(held, rng, 700))),
                torch.tensor(list(data.retrieval_prompt(rng, 900, 400)))]
     ids, mask = padded_batch(prompts)
@@ -58,7 +58,7 @@ def test_anchor_offset_drafter_is_lossless(pair):
 
 def test_shipped_drafter_drafts_better_than_chance(pair):
     target, drafter, _ = pair
-    prompt = torch.tensor(list(data.code_prompt(data.split_corpus()[1], random.Random(2), 600)))
+    prompt = torch.tensor(list(data.code_prompt(data.held_out_code(), random.Random(2), 600)))
     out = spec.generate(target, drafter, prompt[None], max_new_tokens=48, policy="dflash")
     assert out.tau > 1.5          # a drafter that never agrees with the target gives exactly 1
 

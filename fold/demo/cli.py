@@ -76,7 +76,7 @@ def load_pair(dtype=torch.float32):
                                                                                         target)
 
 
-def training_length(drafter, default: int = 1024) -> int:
+def training_length(default: int = 1024) -> int:
     """The sequence length the shipped drafter was trained on (its config's ``fold_training``)."""
     import fold.demo
 
@@ -108,7 +108,7 @@ def prompts_for(task: str, length: int, count: int, seed: int, held) -> list[byt
         return [data.code_prompt(held, rng, length) for _ in range(count)]
     out = [data.retrieval_prompt(rng, length, length // 2) for _ in range(count)]
     width = min(map(len, out))
-    return [p[len(p) - width:] if len(p) > width else p for p in out]   # equal lengths: one unpadded batch
+    return [p[len(p) - width:] for p in out]             # equal lengths: one unpadded batch
 
 
 def shifted_read(rope, shift: int):
@@ -134,6 +134,11 @@ def shifted_read(rope, shift: int):
     return read
 
 
+def _mean_tpot(result) -> float:
+    per_sequence = result.stats["per_sequence"]
+    return sum(s["tpot_s"] for s in per_sequence) / len(per_sequence)
+
+
 def _ci_record(task, length, name, taus, speedups, lossless, tpot, extra=None):
     from fold.spec.metrics import bootstrap_ci
 
@@ -145,14 +150,13 @@ def _ci_record(task, length, name, taus, speedups, lossless, tpot, extra=None):
                 tpot_ms=round(tpot * 1e3, 3), **(extra or {}))
 
 
-def run_comparison(target, drafter, anchor, *, tasks, lengths, rows, prompts, new_tokens, window, alpha, seed,
-                   bar=None, log=print) -> list[dict]:
+def run_comparison(target, drafter, anchor, *, held, tasks, lengths, rows, prompts, new_tokens, window, alpha,
+                   seed, bar=None, log=print) -> list[dict]:
+    """``held``: {package: code} from :func:`fold.demo.data.held_out_code`."""
     from fold import spec
-    from fold.demo import data
     from fold.spec.metrics import per_sequence_speedup, per_sequence_tau
 
-    _, held = data.split_corpus()
-    train_len = training_length(drafter)
+    train_len = training_length()
     records = []
     target = PrefillMemo(target)
     for task in tasks:
@@ -161,16 +165,15 @@ def run_comparison(target, drafter, anchor, *, tasks, lengths, rows, prompts, ne
             ids = torch.tensor([list(p) for p in prompts_for(task, length, prompts, seed, held)])
             n_new = ANSWER_TOKENS if task == "retrieval" else new_tokens
             ar = spec.autoregressive(target, ids, max_new_tokens=n_new)
-            ar_tpot = sum(s["tpot_s"] for s in ar.stats["per_sequence"]) / len(ids)
-            records.append(_ci_record(task, ids.shape[1], "AR", [1.0] * len(ids), [1.0] * len(ids), True, ar_tpot))
+            records.append(_ci_record(task, ids.shape[1], "AR", [1.0] * len(ids), [1.0] * len(ids), True,
+                                      _mean_tpot(ar)))
             for name in rows:
                 model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, name)
                 opts = {} if name == ANCHOR_ROW else policy_options(policy, window, alpha, train_len)
                 res = spec.generate(target, model, ids, max_new_tokens=n_new, policy=policy, **opts)
                 lossless = torch.equal(res.sequences, ar.sequences)
-                tpot = sum(s["tpot_s"] for s in res.stats["per_sequence"]) / len(ids)
                 rec = _ci_record(task, ids.shape[1], name, per_sequence_tau(res), per_sequence_speedup(res, ar),
-                                 lossless, tpot)
+                                 lossless, _mean_tpot(res))
                 records.append(rec)
                 if bar is not None:
                     bar.update(1)
@@ -180,13 +183,11 @@ def run_comparison(target, drafter, anchor, *, tasks, lengths, rows, prompts, ne
     return records
 
 
-def run_shift(target, drafter, anchor, *, prompts, new_tokens, seed, length=512, shifts=SHIFTS, bar=None):
+def run_shift(target, drafter, anchor, *, held, prompts, new_tokens, seed, length=512, shifts=SHIFTS, bar=None):
     """Finding 1: tau of each drafter at ``length`` bytes with its block moved ``shift`` positions."""
     from fold import spec
-    from fold.demo import data
     from fold.spec.metrics import per_sequence_speedup, per_sequence_tau
 
-    _, held = data.split_corpus()
     target = PrefillMemo(target)
     ids = torch.tensor([list(p) for p in prompts_for("code", length, prompts, seed, held)])
     ar = spec.autoregressive(target, ids, max_new_tokens=new_tokens)
@@ -197,10 +198,9 @@ def run_shift(target, drafter, anchor, *, prompts, new_tokens, seed, length=512,
                 res = spec.generate(target, model, ids, max_new_tokens=new_tokens, policy="dflash")
             else:                                       # the same loop with the shifted read
                 res = _generate_with_read(target, model, ids, new_tokens, shifted_read(model.cfg.rope, shift))
-            tpot = sum(s["tpot_s"] for s in res.stats["per_sequence"]) / len(ids)
             records.append(_ci_record("shift", ids.shape[1], label, per_sequence_tau(res),
-                                      per_sequence_speedup(res, ar), torch.equal(res.sequences, ar.sequences), tpot,
-                                      dict(shift=shift)))
+                                      per_sequence_speedup(res, ar), torch.equal(res.sequences, ar.sequences),
+                                      _mean_tpot(res), dict(shift=shift)))
             if bar is not None:
                 bar.update(1)
     return records
@@ -224,8 +224,7 @@ def format_table(records: list[dict]) -> str:
         key = "shift" if task == "shift" else "length"
         cols = list(dict.fromkeys(r[key] for r in rs))
         names = list(dict.fromkeys(r["policy"] for r in rs))
-        head = "shift" if task == "shift" else "length"
-        lines.append(f"\n{task}: tau [95% CI] / speedup over AR [95% CI], by {head}")
+        lines.append(f"\n{task}: tau [95% CI] / speedup over AR [95% CI], by {key}")
         lines.append(f"{'row':<14}" + "".join(f"{c:>32}" for c in cols))
         for name in names:
             cells = []
@@ -297,6 +296,9 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     target, drafter, anchor = load_pair()
+    from fold.demo import data
+
+    held = data.held_out_code()
     total = len(args.tasks) * len(lengths) * len(rows) + (2 * len(SHIFTS) if args.shift else 0)
     bar = None
     if not args.no_progress:
@@ -304,16 +306,16 @@ def main(argv=None) -> int:
 
         bar = tqdm(total=total, desc="fold-demo", unit="run", file=sys.stderr)
     log = bar.write if bar is not None else print
-    records = run_comparison(target, drafter, anchor, tasks=args.tasks, lengths=lengths, rows=rows, prompts=prompts,
-                             new_tokens=new_tokens, window=args.window, alpha=args.alpha, seed=args.seed, bar=bar,
-                             log=log)
+    records = run_comparison(target, drafter, anchor, held=held, tasks=args.tasks, lengths=lengths, rows=rows,
+                             prompts=prompts, new_tokens=new_tokens, window=args.window, alpha=args.alpha,
+                             seed=args.seed, bar=bar, log=log)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(records, indent=1))      # kept if the diagnostic fails
     if args.shift:
-        records += run_shift(target, drafter, anchor, prompts=prompts, new_tokens=new_tokens, seed=args.seed, bar=bar)
+        records += run_shift(target, drafter, anchor, held=held, prompts=prompts, new_tokens=new_tokens,
+                             seed=args.seed, bar=bar)
     if bar is not None:
         bar.close()
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(records, indent=1))
     plot(records, args.out / "tau_vs_length.png")
     table = format_table(records)

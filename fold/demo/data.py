@@ -55,14 +55,23 @@ def read_files(files: list[Path], root: Path | None = None) -> bytes:
     return b"".join(parts)
 
 
-def split_corpus(root: Path | None = None, held_out=HELD_OUT) -> tuple[bytes, dict[str, bytes]]:
-    """(training code, {held-out package: its code}); raises if a held-out package is missing."""
-    packages = package_files(root)
+def _held_out(packages: dict[str, list[Path]], root: Path | None, held_out) -> dict[str, bytes]:
     missing = [p for p in held_out if p not in packages]
     if missing:
         raise ValueError(f"held-out packages {missing} not found under {root or stdlib_dir()}")
-    train = read_files([f for name, fs in packages.items() if name not in held_out for f in fs], root)
-    return train, {name: read_files(packages[name], root) for name in held_out}
+    return {name: read_files(packages[name], root) for name in held_out}
+
+
+def held_out_code(root: Path | None = None, held_out=HELD_OUT) -> dict[str, bytes]:
+    """{held-out package: its code}, without reading the training packages."""
+    return _held_out(package_files(root), root, held_out)
+
+
+def split_corpus(root: Path | None = None, held_out=HELD_OUT) -> tuple[bytes, dict[str, bytes]]:
+    """(training code, {held-out package: its code}); raises if a held-out package is missing."""
+    packages = package_files(root)
+    held = _held_out(packages, root, held_out)
+    return read_files([f for name, fs in packages.items() if name not in held_out for f in fs], root), held
 
 
 def _word(rng: random.Random, lo: int = 4, hi: int = 9) -> str:

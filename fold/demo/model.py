@@ -255,7 +255,7 @@ class FoldToyForCausalLM(PreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if cache is not None else None,
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache,
                                       hidden_states=tuple(hidden) if output_hidden_states else None)
 
     @torch.no_grad()

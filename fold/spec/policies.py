@@ -53,7 +53,7 @@ class CachedPlainRead:
         pos = torch.arange(start, start + x.shape[0], device=x.device, dtype=torch.float64)
         inv_freq = self.rope.inv_freq_on(x.device).double()
         return _rotate(x.transpose(0, 1).to(work), pos, inv_freq, self.rope.rotary_dim, self.rope.interleaved,
-                       self.rope.attention_factor).to(work)
+                       self.rope.attention_factor)
 
     def __call__(self, q, k, v, layer):
         _, n_q, heads_q, head_dim = q.shape
@@ -68,7 +68,8 @@ class CachedPlainRead:
         self.rotated[layer], self.count[layer] = buf, n
         keys = torch.cat([buf[:, :n], self._rotate(k[0, n:], n, work)], dim=1)               # [Hkv, L, d]
         qs = self._rotate(q[0], n, work)                                                    # [Hq, n_q, d]
-        o = torch.nn.functional.scaled_dot_product_attention(qs[None], keys[None], v[0].transpose(0, 1).to(work)[None],
+        values = v[0].transpose(0, 1).to(work)                                              # [Hkv, L, d]
+        o = torch.nn.functional.scaled_dot_product_attention(qs[None], keys[None], values[None],
                                                              scale=head_dim ** -0.5, enable_gqa=True)
         return o[0].transpose(0, 1)[None].to(q.dtype)
 
