@@ -5,6 +5,7 @@ import torch
 
 import fold
 from reference import apply_rope
+from reference.tolerance import check_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,9 +33,10 @@ def test_from_config_rotates_like_transformers(rope_parameters):
     cos, sin = _hf_cos_sin(config, positions)                    # [1, P, head_dim]
     x = torch.randn(len(positions), 64)
     from transformers.models.llama.modeling_llama import rotate_half
-    want = x * cos[0] + rotate_half(x) * sin[0]
+    want = x * cos[0] + rotate_half(x) * sin[0]                  # transformers' rotation, float32
+    truth = x.double() * cos[0].double() + rotate_half(x.double()) * sin[0].double()
     got = apply_rope(x, positions, rope.inv_freq, rotary_dim=rope.rotary_dim, attention_factor=rope.attention_factor)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    check_close("rotated like transformers", got, truth, want, torch.float32)
 
 
 def test_from_config_partial_rotary_factor():

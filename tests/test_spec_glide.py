@@ -1,5 +1,6 @@
 """LongSpec's GLIDE drafter: loading, and lossless chain drafting against the target's own output."""
 
+import copy
 import json
 
 import pytest
@@ -54,9 +55,15 @@ def test_glide_tree_is_lossless_at_batch_three(target, glide, tree):
 
 
 def test_glide_tree_nodes_see_exactly_their_ancestors(target, glide):
-    """A node's draft logits in the tree equal feeding its root-to-node path as a chain."""
+    """A node's draft logits in the tree equal feeding its root-to-node path as a chain.
+
+    Both run in float64: the tree and the chain sum in different orders, and in float32 how far
+    apart that leaves them depends on the CPU and the thread count."""
     from fold.spec import _hf
     from fold.spec.glide import glide_tree
+
+    target, glide = copy.deepcopy(target).double(), copy.deepcopy(glide).double()
+    glide.bind(target)
 
     prompt = torch.randint(0, 90, (14,), generator=torch.Generator().manual_seed(2))
     _, _, cache = _hf.forward(target, prompt[None])
@@ -72,7 +79,7 @@ def test_glide_tree_nodes_see_exactly_their_ancestors(target, glide):
             path.insert(0, tokens[a])
             a = parents[a]
         chain_logits = glide.forward_tokens(chain_state, torch.tensor(path), cache)[-1]
-        torch.testing.assert_close(node_logits[node], chain_logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(node_logits[node], chain_logits)
 
 
 def test_glide_must_match_the_targets_kv_heads(tmp_path, target):
