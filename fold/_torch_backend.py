@@ -59,20 +59,29 @@ def _fused_read(q, k, v, scale):
 
 
 def _segment_read(q, k, v, scale, key_pos, rope):
-    """Attention of ``q [H, M, d]`` (work dtype) over ``k, v [N, H, d]``; ``key_pos`` rotates keys first."""
+    """Attention of ``q [H, M, d]`` (work dtype) over ``k, v [N, H, d]``; ``key_pos`` rotates keys first.
+
+    The CPU's fused kernel is wrong for a last dim with stride != 1 (e.g. ``x[..., ::2]``), so such
+    keys and values are copied chunk by chunk, as rotated keys are.
+    """
     work = q.dtype
     if k.shape[0] == 0:
         return _empty_state(q)
-    if key_pos is None:
+    unit_stride = k.stride(-1) == 1 and v.stride(-1) == 1
+    if key_pos is None and unit_stride:
         o, lse = _fused_read(q.to(k.dtype), k.transpose(0, 1), v.transpose(0, 1), scale)
         return o.to(work), lse.to(work)
     state = _empty_state(q)
-    inv_freq, rotary_dim, interleaved = rope
     q_in = q.to(k.dtype)
     for c0 in range(0, k.shape[0], ROTATE_CHUNK):
-        kc = k[c0:c0 + ROTATE_CHUNK].transpose(0, 1).to(work)                  # [H, C, d]
-        kc = _rotate(kc, key_pos[c0:c0 + ROTATE_CHUNK], inv_freq, rotary_dim, interleaved).to(k.dtype)
-        o, lse = _fused_read(q_in, kc, v[c0:c0 + ROTATE_CHUNK].transpose(0, 1), scale)
+        kc = k[c0:c0 + ROTATE_CHUNK].transpose(0, 1)                            # [H, C, d]
+        vc = v[c0:c0 + ROTATE_CHUNK].transpose(0, 1)
+        if key_pos is not None:
+            inv_freq, rotary_dim, interleaved = rope
+            kc = _rotate(kc.to(work), key_pos[c0:c0 + ROTATE_CHUNK], inv_freq, rotary_dim, interleaved).to(k.dtype)
+        else:
+            kc = kc.contiguous()
+        o, lse = _fused_read(q_in, kc, vc if vc.stride(-1) == 1 else vc.contiguous(), scale)
         state = _merge_pair(*state, o.to(work), lse.to(work))
     return state
 

@@ -14,6 +14,9 @@ from fold.rope import Rope
 BACKENDS = ("auto", "torch", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
+# alpha -> infinity is a hard max over the far logits; beyond 1e4 nothing changes at float32
+# precision, and alpha * logits would start to overflow.
+MAX_ALPHA = 1e4
 
 
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False, softmax_scale=None,
@@ -43,7 +46,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
             ``heads_q`` must be a multiple of ``heads_kv`` (GQA).
         window: W >= 0, the number of context entries kept at exact positions.
         rope: a :class:`fold.Rope`; ``rope.rotary_dim <= head_dim``.
-        alpha: concentration factor of the far memory, finite and >= 1. Default: 2.0.
+        alpha: concentration factor of the far memory, in ``[1, 1e4]``. Default: 2.0.
         cache_seqlens: [batch] integer tensor (or a list of ints) of valid lengths,
             ``n_q <= L <= max_len``. Default: every sequence has ``max_len`` entries. The values are
             checked unless a CUDA graph is being captured.
@@ -57,7 +60,12 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
             ``"torch"`` (any device), ``"auto"``: triton on CUDA, torch otherwise.
 
     Returns:
-        ``out`` [batch, n_q, heads_q, head_dim] in ``q.dtype``, or ``(out, lse)``.
+        ``out`` [batch, n_q, heads_q, head_dim] in ``q.dtype``, or ``(out, lse)``. A NaN in ``q`` or
+        in a valid entry of ``k``/``v`` gives NaN in every row that reads it, as SDPA does; entries
+        beyond ``cache_seqlens`` are never read, whatever they hold.
+
+    Forward only: there is no backward, so call it under ``torch.no_grad()`` (or on tensors that
+    do not require grad); a call that would need a gradient raises ``ValueError``.
 
     Example::
 
@@ -114,6 +122,7 @@ def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=()
     if v.shape != k.shape:
         raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
     max_len, heads_kv = k.shape[1], k.shape[2]
+    check_forward_only((("q", q), (k_name, k), (v_name, v), *extra))
     if heads_q % heads_kv:
         raise ValueError(f"heads_q={heads_q} (q.shape[2]) must be a multiple of heads_kv={heads_kv} ({k_name}.shape[2])")
     if q.dtype not in TORCH_DTYPES:
@@ -124,6 +133,15 @@ def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=()
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     return batch, n, heads_q, head_dim, max_len, heads_kv
+
+
+def check_forward_only(tensors) -> None:
+    """fold's ops have no backward: refuse a call that autograd would have to differentiate."""
+    if torch.is_grad_enabled():
+        needs = [name for name, x in tensors if x.requires_grad]
+        if needs:
+            raise ValueError(f"fold's attention ops are forward-only (no backward), but {', '.join(needs)} "
+                             "require grad; call them under torch.no_grad() or pass detached tensors")
 
 
 def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax_scale, return_lse, backend):
@@ -141,8 +159,8 @@ def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax
         raise ValueError(f"rope.rotary_dim={rope.rotary_dim} must be <= head_dim={head_dim}")
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-    if not (math.isfinite(alpha) and alpha >= 1):
-        raise ValueError(f"alpha must be finite and >= 1, got {alpha}")
+    if not (math.isfinite(alpha) and 1 <= alpha <= MAX_ALPHA):
+        raise ValueError(f"alpha must be finite and in [1, {MAX_ALPHA:g}], got {alpha}")
     softmax_scale = validate_scale(softmax_scale, head_dim)
     for name, flag in (("keys_rotated", keys_rotated), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

@@ -8,19 +8,19 @@ import torch
 
 
 def _merge_pair(o_a, lse_a, o_b, lse_b):
-    # o: [..., d] float; lse: [...] float, -inf for an empty state. Weights first, then outputs,
-    # and an empty pair stays (0, -inf) instead of (-inf) - (-inf) = NaN.
-    m = torch.maximum(lse_a, lse_b)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    # o: [..., d] float; lse: [...] float, -inf for an empty state. Weights first, then outputs.
+    # An empty pair stays (0, -inf) instead of (-inf) - (-inf) = NaN; an empty state's o is never
+    # read. NaN anywhere else (a NaN query or key of a non-empty state) propagates to the result.
+    empty_a, empty_b = lse_a == float("-inf"), lse_b == float("-inf")
+    m = torch.maximum(lse_a, lse_b)                                    # NaN if either is NaN
+    m_safe = torch.where(empty_a & empty_b, torch.zeros_like(m), m)
     w_a = torch.exp(lse_a - m_safe)
     w_b = torch.exp(lse_b - m_safe)
-    total = w_a + w_b
-    nonempty = total > 0
-    denom = torch.where(nonempty, total, torch.ones_like(total))
-    o_a = torch.where((w_a > 0)[..., None], o_a, 0.0)   # an empty state's o is never trusted
-    o_b = torch.where((w_b > 0)[..., None], o_b, 0.0)
+    denom = torch.where(empty_a & empty_b, torch.ones_like(m), w_a + w_b)
+    o_a = torch.where(empty_a[..., None], 0.0, o_a)
+    o_b = torch.where(empty_b[..., None], 0.0, o_b)
     o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / denom[..., None]
-    lse = torch.where(nonempty, m_safe + torch.log(denom), torch.full_like(m, float("-inf")))
+    lse = torch.where(empty_a & empty_b, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
     return o, lse
 
 
@@ -66,5 +66,5 @@ def merge_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
         lse_i = torch.where(lse_i == float("inf"), float("-inf"), lse_i.to(work))
         o, lse = _merge_pair(o, lse, o_i.to(work), lse_i)
     if len(outputs) == 1:
-        o = torch.where(torch.isfinite(lse)[..., None], o, 0.0)
+        o = torch.where((lse == float("-inf"))[..., None], 0.0, o)
     return o.to(ref_o.dtype), lse

@@ -70,7 +70,7 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         lse_window = torch.logsumexp(s_window, dim=-1)                         # [Hq, n_q]
         lse_far_alpha = torch.logsumexp(s_far, dim=-1)
         o_window = torch.einsum("hrj,jhd->rhd", torch.softmax(s_window, dim=-1), vb)
-        has_far = torch.isfinite(lse_far_alpha)
+        has_far = lse_far_alpha != float("-inf")                                 # NaN stays NaN
         p_far = torch.where(has_far[..., None], torch.softmax(s_far, dim=-1), 0.0)
         o_far = torch.einsum("hrj,jhd->rhd", p_far, vb)
         out, lse = merge_states_ref(

@@ -25,7 +25,7 @@ def tree_attention_ref(q, k_cache, v_cache, k_tree, v_tree, tree_mask, *, cache_
         s = torch.einsum("ihd,jhd->hij", cast(q[b]), keys) * scale
         s = s.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)                                                         # [Hq, T]
-        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+        p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
         outs.append(torch.einsum("hij,jhd->ihd", p, values))
         lses.append(lse.transpose(0, 1))
     return torch.stack(outs), torch.stack(lses)
