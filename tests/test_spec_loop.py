@@ -35,7 +35,8 @@ def test_lossless_batch_one(target, drafter, policy):
     (ids,) = _prompts([40])
     result = spec.generate(target, drafter, ids[None], max_new_tokens=24, policy=policy, **OPTIONS[policy])
     assert torch.equal(result.sequences[0], greedy_ar(target, ids, 24))
-    assert result.tau >= 1.0
+    stats = result.stats["per_sequence"][0]                # the first token comes from the prefill
+    assert result.tau * stats["rounds"] == pytest.approx(24 - 1) == sum(stats["committed_per_round"])
 
 
 @pytest.mark.parametrize("policy", BUILT)

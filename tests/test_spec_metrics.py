@@ -39,7 +39,7 @@ def test_autoregressive_is_the_targets_greedy_output_and_metrics_line_up(tmp_pat
     assert torch.equal(ar.sequences[0], greedy_ar(target, ids[0], 10))
     taus = spec.per_sequence_tau(sd)
     assert len(taus) == 2 and all(t >= 1 for t in taus)
-    assert sd.tau == pytest.approx(sum(sum(s["accepted_per_round"]) for s in sd.stats["per_sequence"])
+    assert sd.tau == pytest.approx(sum(sum(s["committed_per_round"]) for s in sd.stats["per_sequence"])
                                    / sum(s["rounds"] for s in sd.stats["per_sequence"]))
     speedups = spec.per_sequence_speedup(sd, ar)
     assert len(speedups) == 2 and all(s > 0 for s in speedups)

@@ -15,6 +15,7 @@ distribution. Batch rows run one after another, each with its own caches.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,54 @@ class GenerateResult:
     sequences: torch.Tensor          # [batch, prompt + generated], right-padded after a stop
     tau: float                       # tokens committed per verification round, the target's included
     stats: dict = field(default_factory=dict)
+
+
+def _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator) -> set[int]:
+    """Arguments ``generate`` and ``autoregressive`` share, checked before any work; returns the eos set."""
+    if not isinstance(target, torch.nn.Module):
+        raise TypeError(f"target must be a transformers causal LM (a torch.nn.Module), got {type(target).__name__}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be a [batch, prompt_len] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must hold at least one prompt token per row, got shape {tuple(input_ids.shape)}")
+    device = next(target.parameters()).device
+    if input_ids.device != device:
+        raise ValueError(f"input_ids must be on the target's device {device}, got {input_ids.device}")
+    vocab = getattr(getattr(target, "config", None), "vocab_size", None)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+        if attention_mask.device != input_ids.device:
+            raise ValueError(f"attention_mask must be on input_ids' device {input_ids.device}, got {attention_mask.device}")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (prompt token)")
+        empty = (attention_mask == 0).all(dim=1).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"attention_mask rows {empty} are all zeros: every row needs at least one prompt token")
+    valid = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
+    if bool((valid < 0).any()) or (vocab is not None and bool((valid >= vocab).any())):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got values in "
+                         f"[{int(valid.min())}, {int(valid.max())}]")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if eos_token_id is None:
+        return set()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
+    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"eos_token_id must be an int or a list of ints (token ids, not text), got {eos_token_id!r}")
+    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise ValueError(f"eos_token_id {bad} out of the vocabulary [0, {vocab})")
+    return set(ids)
 
 
 def _sample(logits, temperature, generator):
@@ -64,8 +113,8 @@ def _accept(drafts, draft_probs, target_logits, temperature, generator):
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
 
 
-def _commit(new: list[int], accepted: list[int], max_new_tokens: int, eos: set[int], bar) -> None:
-    """Append a round's accepted tokens, stopping at max_new_tokens or an eos."""
+def _commit(new: list[int], accepted: list[int], max_new_tokens: int, eos: set[int], bar) -> int:
+    """Append a round's accepted tokens, stopping at max_new_tokens or an eos; returns how many."""
     before = len(new)
     for token in accepted:
         new.append(token)
@@ -73,11 +122,15 @@ def _commit(new: list[int], accepted: list[int], max_new_tokens: int, eos: set[i
             break
     if bar is not None:
         bar.update(len(new) - before)
+    return len(new) - before
 
 
-def _stats(rounds, drafted, new, prefill_s, decode_s) -> dict:
-    return dict(rounds=len(rounds), accepted_per_round=rounds, drafted_tokens=drafted, prefill_s=prefill_s,
-                decode_s=decode_s, tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
+def _stats(accepted, committed, drafted, new, prefill_s, decode_s) -> dict:
+    """``accepted[i]``: tokens round i verified (accepted drafts + the target's); ``committed[i]``: of
+    those, the ones kept (fewer only in a sequence's last round, cut by max_new_tokens or an eos)."""
+    return dict(rounds=len(accepted), accepted_per_round=accepted, committed_per_round=committed,
+                drafted_tokens=drafted, prefill_s=prefill_s, decode_s=decode_s,
+                tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
 
 
 @torch.no_grad()
@@ -90,14 +143,15 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
     new = [_sample(logits[0, -1], temperature, generator)]
     prefill_s = time.perf_counter() - t0
     rounds: list[int] = []
+    committed: list[int] = []
     drafted = 0
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
         anchor = new[-1]
         if tree is not None:
-            committed, n_nodes, hidden_states, last_row = tree_round(target, drafter, state, cache, anchor, read, tree)
+            path, n_nodes, hidden_states, last_row = tree_round(target, drafter, state, cache, anchor, read, tree)
             drafted += n_nodes
-            drafts, a, token = committed[:-1], len(committed) - 1, committed[-1]
+            drafts, a, token = path[:-1], len(path) - 1, path[-1]
         else:
             drafts, draft_probs = drafter.draft(state, anchor, read, temperature, generator)
             drafted += len(drafts)
@@ -110,8 +164,8 @@ def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: i
         if hasattr(read, "after_verify"):                     # target-side retrieval (CMR)
             read.after_verify(target, hidden_states, cache, state.length, last_row)
         rounds.append(a + 1)
-        _commit(new, drafts[:a] + [token], max_new_tokens, eos, bar)
-    return new, _stats(rounds, drafted, new, prefill_s, time.perf_counter() - t1)
+        committed.append(_commit(new, drafts[:a] + [token], max_new_tokens, eos, bar))
+    return new, _stats(rounds, committed, drafted, new, prefill_s, time.perf_counter() - t1)
 
 
 @torch.no_grad()
@@ -124,7 +178,7 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
     state = drafter.new_state(len(ids) + max_new_tokens + gamma + 1)
     drafter.forward_tokens(state, ids, cache)
     prefill_s = time.perf_counter() - t0
-    rounds, drafted, prompt = [], 0, ids.tolist()
+    rounds, committed, drafted, prompt = [], [], 0, ids.tolist()
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
         anchor, t = new[-1], len(ids) + len(new) - 1              # the anchor's position = target cache length
@@ -136,7 +190,7 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
             path, token, _, _ = verify_tree(target, cache, tokens, parents, depths, t)
             drafter.crop(state, t + 1)                            # tree entries go; accepted ones are re-fed
             rounds.append(len(path) + 1)
-            _commit(new, [tokens[i] for i in path] + [token], max_new_tokens, eos, bar)
+            committed.append(_commit(new, [tokens[i] for i in path] + [token], max_new_tokens, eos, bar))
             continue
         drafts, probs = [], []
         for i in range(gamma):
@@ -153,8 +207,8 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
         _hf.crop(cache, t + a + 1)
         drafter.crop(state, t + a + 1)                            # its entries for the accepted prefix stay
         rounds.append(a + 1)
-        _commit(new, drafts[:a] + [token], max_new_tokens, eos, bar)
-    return new, _stats(rounds, drafted, new, prefill_s, time.perf_counter() - t1)
+        committed.append(_commit(new, drafts[:a] + [token], max_new_tokens, eos, bar))
+    return new, _stats(rounds, committed, drafted, new, prefill_s, time.perf_counter() - t1)
 
 
 def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str | None = None,
@@ -190,29 +244,31 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
 
     Returns:
         :class:`GenerateResult`: ``sequences`` [batch, prompt + generated] right-padded with the
-        first eos id (or 0); ``tau``; ``stats`` per sequence.
+        first eos id (or 0); ``tau``, the tokens committed per verification round over all sequences
+        (a sequence's last round may commit fewer tokens than it accepted: max_new_tokens or an eos
+        cuts it); ``stats["per_sequence"]`` with ``accepted_per_round`` and ``committed_per_round``.
+
+    Every argument is checked before any work; bad input raises ``ValueError``/``TypeError`` naming it.
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be a [batch, prompt_len] tensor, got {getattr(input_ids, 'shape', input_ids)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
-                         f"got {tuple(attention_mask.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    eos = _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
     from fold.spec.glide import GlideDrafter
 
     glide = isinstance(drafter, GlideDrafter)
+    if not (glide or isinstance(drafter, Drafter)):
+        raise TypeError(f"drafter must come from fold.spec.load_drafter (a block drafter or GLIDE), "
+                        f"got {type(drafter).__name__}")
     if glide:
         if policy not in (None, "dflash") or policy_options:
             raise ValueError("a GLIDE drafter reads the target's cache by cross-attention at true positions; "
                              f"context policies do not apply (got policy={policy!r}, options {sorted(policy_options)})")
-        if not isinstance(gamma, int) or gamma < 1:
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be a positive int, got {gamma!r}")
     policy = policy or "fold"
     if tree is not None:
-        if not (isinstance(tree, (tuple, list)) and tree and all(isinstance(k, int) and k >= 1 for k in tree)):
+        if not (isinstance(tree, (tuple, list)) and tree
+                and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in tree)):
             raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
         if temperature != 0.0:
             raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
@@ -220,7 +276,6 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             raise ValueError(f"tree verification runs fold.tree_attention through transformers' AttentionInterface; "
                              f"{type(target).__name__} does not dispatch its attention there, so use a chain "
                              "(tree=None)")
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     if not glide:
         make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
                   **policy_options)                               # bad policy or option: fail before any work
@@ -257,7 +312,7 @@ def _assemble(rows, all_stats, eos, input_ids) -> GenerateResult:
     sequences = torch.full((len(rows), width), pad, dtype=input_ids.dtype, device=input_ids.device)
     for b, r in enumerate(rows):
         sequences[b, :len(r)] = r
-    committed = sum(sum(s["accepted_per_round"]) for s in all_stats)
+    committed = sum(sum(s["committed_per_round"]) for s in all_stats)
     n_rounds = sum(s["rounds"] for s in all_stats)
     return GenerateResult(sequences=sequences, tau=committed / max(1, n_rounds), stats=dict(per_sequence=all_stats))
 
@@ -269,7 +324,7 @@ def autoregressive(target, input_ids: torch.Tensor, *, max_new_tokens: int, atte
 
     Same arguments and result as :func:`generate` (``tau`` is 1, ``stats`` per sequence).
     """
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    eos = _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator)
     rows, all_stats = [], []
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
@@ -283,5 +338,5 @@ def autoregressive(target, input_ids: torch.Tensor, *, max_new_tokens: int, atte
             new.append(_sample(logits[0, -1], temperature, generator))
         decode_s = time.perf_counter() - t1
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
-        all_stats.append(_stats([1] * (len(new) - 1), 0, new, prefill_s, decode_s))
+        all_stats.append(_stats([1] * (len(new) - 1), [1] * (len(new) - 1), 0, new, prefill_s, decode_s))
     return _assemble(rows, all_stats, eos, input_ids)

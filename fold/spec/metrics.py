@@ -9,7 +9,7 @@ import torch
 
 def per_sequence_tau(result) -> list[float]:
     """Tokens committed per verification round of each sequence, the target's token included."""
-    return [sum(s["accepted_per_round"]) / max(1, s["rounds"]) for s in result.stats["per_sequence"]]
+    return [sum(s["committed_per_round"]) / max(1, s["rounds"]) for s in result.stats["per_sequence"]]
 
 
 def per_sequence_speedup(result, ar_result) -> list[float]:

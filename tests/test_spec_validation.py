@@ -1,0 +1,90 @@
+"""spec.generate and spec.autoregressive: every argument checked before any work; tau counts what was committed."""
+
+import pytest
+import torch
+
+from fold import spec
+from tests.spec_fixtures import VOCAB, make_drafter, make_target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = make_target("llama", tmp_path_factory.mktemp("t"))
+    return target, spec.load_drafter(make_drafter(tmp_path_factory.mktemp("d"), target, "zlab", block_size=8), target)
+
+
+IDS = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+BAD = [
+    # (override, error, words)
+    (dict(input_ids=IDS[:, :0]), ValueError, "at least one prompt token per row"),
+    (dict(input_ids=IDS[0]), ValueError, "input_ids must be a [batch, prompt_len] tensor"),
+    (dict(input_ids=IDS.float()), TypeError, "input_ids must hold integer token ids"),
+    (dict(input_ids=IDS + VOCAB), ValueError, f"input_ids must lie in [0, vocab_size={VOCAB})"),
+    (dict(attention_mask=torch.ones(2, 5)), ValueError, "attention_mask must be a tensor of input_ids' shape"),
+    (dict(attention_mask=torch.cat([torch.ones(1, 12), torch.zeros(1, 12)]).long()), ValueError,
+     "attention_mask rows [1] are all zeros"),
+    (dict(attention_mask=torch.full((2, 12), 2)), ValueError, "attention_mask must hold only 0"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be a positive int, got 0"),
+    (dict(max_new_tokens=2.0), ValueError, "max_new_tokens must be a positive int"),
+    (dict(temperature=-1), ValueError, "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0"),
+    (dict(temperature="0"), ValueError, "temperature must be a finite number >= 0"),
+    (dict(eos_token_id="\n"), TypeError, "eos_token_id must be an int or a list of ints"),
+    (dict(eos_token_id=[1, "x"]), TypeError, "eos_token_id must be an int or a list of ints"),
+    (dict(eos_token_id=VOCAB), ValueError, "eos_token_id [97] out of the vocabulary"),
+    (dict(generator=0), TypeError, "generator must be a torch.Generator"),
+]
+
+
+@pytest.mark.parametrize("override, error, words", BAD, ids=[w[:40] for _, _, w in BAD])
+@pytest.mark.parametrize("entry", ["generate", "autoregressive"])
+def test_bad_arguments_fail_before_any_work(pair, monkeypatch, override, error, words, entry):
+    target, drafter = pair
+    calls = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1))   # no forward may run
+    args = {**dict(input_ids=IDS, max_new_tokens=4), **override}
+    with pytest.raises(error) as info:
+        if entry == "generate":
+            spec.generate(target, drafter, window=8, **args)
+        else:
+            spec.autoregressive(target, **args)
+    assert words in str(info.value) and not calls
+
+
+@pytest.mark.parametrize("override, error, words", [
+    (dict(drafter="d"), TypeError, "drafter must come from fold.spec.load_drafter"),
+    (dict(target="t"), TypeError, "target must be a transformers causal LM"),
+    (dict(progress=1), TypeError, "progress must be a bool"),
+    (dict(tree=(2, True)), ValueError, "tree must be a non-empty tuple of positive ints"),
+    (dict(tree=()), ValueError, "tree must be a non-empty tuple of positive ints"),
+])
+def test_generate_only_arguments(pair, override, error, words):
+    target, drafter = pair
+    args = {**dict(target=target, drafter=drafter, input_ids=IDS, max_new_tokens=4), **override}
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        spec.generate(args.pop("target"), args.pop("drafter"), **args)
+
+
+def test_tau_counts_only_committed_tokens(pair):
+    """A block of 8 drafts 7 tokens; with max_new_tokens=2 the one round commits one token, however
+    many it accepted (the first token comes from the prefill)."""
+    target, drafter = pair
+    # a drafter that always agrees: take the target's own greedy continuation as the drafts
+    ids = IDS[:1]
+    want = spec.autoregressive(target, ids, max_new_tokens=9).sequences[0, 12:].tolist()
+    drafter_draft = drafter.draft
+    drafter.draft = lambda state, anchor, read, temperature=0.0, generator=None: (want[1:8], None)
+    try:
+        result = spec.generate(target, drafter, ids, max_new_tokens=2, window=8)
+    finally:
+        drafter.draft = drafter_draft
+    stats = result.stats["per_sequence"][0]
+    assert stats["accepted_per_round"] == [8] and stats["committed_per_round"] == [1]
+    assert result.tau == 1.0 and spec.per_sequence_tau(result) == [1.0]
+    assert result.sequences[0, 12:].tolist() == want[:2]
+
+
+def test_autoregressive_tau_is_one(pair):
+    target, _ = pair
+    result = spec.autoregressive(target, IDS, max_new_tokens=5)
+    assert result.tau == 1.0 and [s["committed_per_round"] for s in result.stats["per_sequence"]] == [[1] * 4] * 2
