@@ -3,50 +3,126 @@
     python examples/generate.py --target ~/models/Llama-3.1-8B-Instruct \\
         --drafter ~/models/LLaMA3.1-8B-Instruct-DFlash --policy fold --prompt-file long_prompt.txt
 
+    # the shipped demo pair (byte-level: token i is byte i, no tokenizer files)
+    python examples/generate.py --target fold/demo/artifacts/target --drafter fold/demo/artifacts/drafter \\
+        --prompt-file fold/spec/generate.py --dtype float32 --compare-ar
+
 Both directories are read offline (``config.json`` + safetensors; the target's tokenizer from its
-directory). Prints the generated text, τ, and with ``--compare-ar`` the speedup over the target alone
-and whether the outputs are identical (they must be at temperature 0).
+directory, or bytes with ``--tokenizer bytes``, the default for the demo's ``fold_toy`` target).
+Prints the generated text, τ, and with ``--compare-ar`` the speedup over the target alone and
+whether the outputs are identical (they must be at temperature 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
+import fold.demo  # noqa: F401  (registers the demo's fold_toy target with transformers)
 from fold import spec
+from fold.attention import MAX_ALPHA
 from fold.spec.policies import BUILT
+
+# options each policy takes from the command line (the rest keep their defaults)
+POLICY_OPTIONS = {"fold": ("window", "alpha"), "window": ("window",), "rerope": ("window",), "infllm": ("window",),
+                  "streaming": (), "dflash": (), "yarn": (), "cmr": ()}
+
+
+class ByteTokenizer:
+    """Token i is byte i (the demo's byte-level target); ids >= 256 (the mask) decode to nothing."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: Path):
+        import transformers
+
+        self.tok = transformers.AutoTokenizer.from_pretrained(path)
+        self.eos_token_id = self.tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text).input_ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not value >= 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, required=True, help="a transformers causal-LM directory")
+    parser.add_argument("--drafter", type=Path, required=True, help="a drafter directory (spec.load_drafter)")
+    parser.add_argument("--policy", choices=BUILT, default="fold")
+    parser.add_argument("--prompt-file", type=Path, required=True)
+    parser.add_argument("--max-new-tokens", type=_positive(int), default=256)
+    parser.add_argument("--window", type=_positive(int), default=2048, help="W of fold/window/rerope/infllm")
+    parser.add_argument("--alpha", type=float, default=2.0, help=f"fold's alpha, in [1, {MAX_ALPHA:g}]")
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--tokenizer", choices=["auto", "hf", "bytes"], default="auto",
+                        help="hf: the target directory's tokenizer; bytes: token i is byte i; "
+                             "auto: bytes for the demo's fold_toy target, else hf")
+    parser.add_argument("--compare-ar", action="store_true", help="also run the target alone and compare")
+    args = parser.parse_args(argv)
+    for name in ("target", "drafter"):
+        if not (getattr(args, name) / "config.json").is_file():
+            parser.error(f"--{name} {getattr(args, name)} is not a model directory (no config.json)")
+    if not args.prompt_file.is_file():
+        parser.error(f"--prompt-file {args.prompt_file} does not exist")
+    if not args.prompt_file.read_text().strip():
+        parser.error(f"--prompt-file {args.prompt_file} is empty")
+    if not 1.0 <= args.alpha <= MAX_ALPHA:
+        parser.error(f"--alpha must lie in [1, {MAX_ALPHA:g}], got {args.alpha}")
+    if args.tokenizer == "auto":
+        model_type = json.loads((args.target / "config.json").read_text()).get("model_type")
+        args.tokenizer = "bytes" if model_type == "fold_toy" else "hf"
+    if args.tokenizer == "hf" and not any((args.target / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                                "tokenizer.model")):
+        parser.error(f"--target {args.target} has no tokenizer files; pass --tokenizer bytes for a byte-level model")
+    return args
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--drafter", type=Path, required=True)
-    parser.add_argument("--policy", choices=BUILT, default="fold")
-    parser.add_argument("--prompt-file", type=Path, required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--window", type=int, default=2048)
-    parser.add_argument("--alpha", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--compare-ar", action="store_true", help="also run the target alone and compare")
-    args = parser.parse_args(argv)
-
+    args = parse_args(argv)
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
+    tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else HFTokenizer(args.target)
     target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
     target.eval()
     drafter = spec.load_drafter(args.drafter, target)
-    ids = tokenizer(args.prompt_file.read_text(), return_tensors="pt").input_ids.to(device)
+    ids = torch.tensor([tokenizer.encode(args.prompt_file.read_text())], device=device)
     print(f"prompt: {ids.shape[1]} tokens; drafter block {drafter.cfg.block_size}, taps {drafter.cfg.target_layer_ids}")
-    options = dict(window=args.window, alpha=args.alpha) if args.policy in ("fold", "window", "rerope") else {}
+    options = {name: getattr(args, name) for name in POLICY_OPTIONS[args.policy]}
     result = spec.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, policy=args.policy,
                            eos_token_id=tokenizer.eos_token_id, temperature=args.temperature, progress=True,
                            **options)
-    print(tokenizer.decode(result.sequences[0, ids.shape[1]:], skip_special_tokens=True))
+    print(tokenizer.decode(result.sequences[0, ids.shape[1]:].tolist()))
     stats = result.stats["per_sequence"][0]
     print(f"\npolicy {args.policy}: tau {result.tau:.2f} over {stats['rounds']} rounds, "
           f"TPOT {stats['tpot_s'] * 1e3:.1f} ms")
@@ -56,7 +132,8 @@ def main(argv=None):
         same = torch.equal(ar.sequences, result.sequences)
         print(f"AR TPOT {ar.stats['per_sequence'][0]['tpot_s'] * 1e3:.1f} ms; speedup "
               f"{spec.per_sequence_speedup(result, ar)[0]:.2f}x; identical output: {same}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

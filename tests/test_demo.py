@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,50 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
     check_close("shift 0 vs plain read", cli.shifted_read(rope, 0)(q, k, v, 0), truth, same_dtype, torch.float32)
     plain = fold.attention(q, k, v, window=40, rope=rope, backend="torch")
     assert not torch.allclose(cli.shifted_read(rope, 4096)(q, k, v, 0), plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompts", "0"], "--prompts: must be >= 1, got 0"),
+    (["--new-tokens", "0"], "--new-tokens: must be >= 1, got 0"),
+    (["--lengths", "1024", "0"], "--lengths: must be >= 256, got 0"),
+    (["--window", "-1"], "--window: must be >= 8"),
+    (["--alpha", "0.5"], "--alpha: must lie in [1, 10000], got 0.5"),
+    (["--alpha", "x"], "--alpha: expected a number"),
+])
+def test_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "load_pair", lambda: pytest.fail("the pair must not load for bad options"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(args + ["--out", str(tmp_path / "o"), "--no-progress"])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_demo_checks_out_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_pair", lambda: pytest.fail("the pair must not load for a bad --out"))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--out", str(blocker / "sub"), "--no-progress"])
+    assert info.value.code == 2 and "is not a writable folder" in capsys.readouterr().err
+
+
+def test_results_are_written_table_first_and_atomically(tmp_path, monkeypatch):
+    """results.json appears only after table.txt (and the plot) of the same records; a failing write
+    leaves neither a partial file nor a stale temporary behind."""
+    records = [dict(task="code", length=1024, policy=p, tau=t, tau_ci=[t - 0.1, t + 0.1], speedup=1.0,
+                    speedup_ci=[0.9, 1.1], lossless=True) for p, t in (("AR", 1.0), ("fold", 2.0))]
+    order = []
+    real_replace = cli.os.replace
+    monkeypatch.setattr(cli.os, "replace", lambda a, b: (order.append(Path(b).name), real_replace(a, b)))
+    cli.save_results(records, tmp_path)
+    assert order == ["tau_vs_length.png", "table.txt", "results.json"]
+    assert json.loads((tmp_path / "results.json").read_text()) == records
+
+    def broken(path):
+        path.write_text("half")
+        raise OSError("disk full")
+    monkeypatch.setattr(cli, "format_table", lambda records: "new table")
+    monkeypatch.setattr(cli, "plot", lambda records, path: broken(path))
+    with pytest.raises(OSError, match="disk full"):
+        cli.save_results(records[:1], tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text()) == records      # the old, complete results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "table.txt", "tau_vs_length.png"]

@@ -40,3 +40,51 @@ def test_fold_vs_attention_example_runs(capsys):
     fold_vs_attention.main(["--lengths", "600", "--repeats", "1", "--drafter", "qwen3-8b-b7"])
     out = capsys.readouterr().out
     assert "FOLD/plain" in out and "600" in out
+
+
+def test_generate_example_runs_on_the_shipped_byte_level_pair(tmp_path, capsys):
+    import fold.demo
+    import generate
+
+    prompt = tmp_path / "prompt.py"
+    prompt.write_text((Path(generate.__file__)).read_text()[:700])
+    assert generate.main(["--target", str(fold.demo.TARGET_DIR), "--drafter", str(fold.demo.DRAFTER_DIR),
+                          "--prompt-file", str(prompt), "--max-new-tokens", "16", "--window", "64",
+                          "--dtype", "float32", "--compare-ar"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt: 700 tokens" in out and "identical output: True" in out
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be > 0"),
+    (["--window", "-5"], "--window: must be > 0"),
+    (["--alpha", "0.5"], "--alpha must lie in [1, 10000]"),
+    (["--temperature", "-1"], "--temperature: must be a finite number >= 0"),
+    (["--tokenizer", "hf"], "has no tokenizer files; pass --tokenizer bytes"),
+])
+def test_generate_example_rejects_bad_options(tmp_path, capsys, extra, words):
+    import fold.demo
+    import generate
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def f(x):\n")
+    with pytest.raises(SystemExit) as info:
+        generate.main(["--target", str(fold.demo.TARGET_DIR), "--drafter", str(fold.demo.DRAFTER_DIR),
+                       "--prompt-file", str(prompt)] + extra)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_generate_example_rejects_missing_files(tmp_path, capsys):
+    import fold.demo
+    import generate
+
+    (tmp_path / "empty.txt").write_text("  \n")
+    for args, words in ((["--prompt-file", str(tmp_path / "none.txt")], "does not exist"),
+                        (["--prompt-file", str(tmp_path / "empty.txt")], "is empty")):
+        with pytest.raises(SystemExit):
+            generate.main(["--target", str(fold.demo.TARGET_DIR), "--drafter", str(fold.demo.DRAFTER_DIR)] + args)
+        assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main(["--target", str(tmp_path), "--drafter", str(fold.demo.DRAFTER_DIR),
+                       "--prompt-file", str(tmp_path / "empty.txt")])
+    assert "is not a model directory" in capsys.readouterr().err

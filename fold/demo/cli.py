@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -270,29 +272,89 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _int_at_least(minimum: int, why: str = ""):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
+        return value
+    return parse
+
+
+def _alpha(text: str) -> float:
+    from fold.attention import MAX_ALPHA
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 1.0 <= value <= MAX_ALPHA:
+        raise argparse.ArgumentTypeError(f"must lie in [1, {MAX_ALPHA:g}], got {value}")
+    return value
+
+
+def check_writable(out: Path) -> None:
+    """Create ``out`` and prove a file can be written there, before any work is done."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out, prefix=".fold-demo-probe-"):
+        pass
+
+
+def _write_atomically(path: Path, write) -> None:
+    """``write(temporary path)``, then rename over ``path``: a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_results(records: list[dict], out: Path) -> str:
+    """Write the plot, ``table.txt`` and, last, ``results.json`` (each atomically), so a
+    ``results.json`` always comes with the table and plot of the same records. Returns the table."""
+    table = format_table(records)
+    if any(r["task"] != "shift" for r in records):
+        _write_atomically(out / "tau_vs_length.png", lambda p: plot(records, p))
+    _write_atomically(out / "table.txt", lambda p: p.write_text(table + "\n"))
+    _write_atomically(out / "results.json", lambda p: p.write_text(json.dumps(records, indent=1)))
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fold-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 lengths, 4 rows: under 5 minutes on 2 cores")
     ap.add_argument("--shift", action="store_true", help="run the Finding-1 diagnostic (block moved far away)")
     ap.add_argument("--out", type=Path, default=Path("fold-demo-out"))
-    ap.add_argument("--lengths", type=int, nargs="+", help="context lengths in bytes (default: preset)")
+    ap.add_argument("--lengths", type=_int_at_least(256), nargs="+",
+                    help="context lengths in bytes, each >= 256 (default: preset)")
     ap.add_argument("--rows", nargs="+", choices=POLICIES + (ANCHOR_ROW,),
                     help="policies to compare (default: preset)")
     ap.add_argument("--tasks", nargs="+", choices=("code", "retrieval"), default=["code", "retrieval"])
-    ap.add_argument("--prompts", type=int, help="prompts per task and length (default: preset)")
-    ap.add_argument("--new-tokens", type=int, help="tokens generated per code prompt (default: preset)")
-    ap.add_argument("--window", type=int, default=256, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's)")
-    ap.add_argument("--alpha", type=float, default=2.0)
+    ap.add_argument("--prompts", type=_int_at_least(1), help="prompts per task and length (default: preset)")
+    ap.add_argument("--new-tokens", type=_int_at_least(1), help="tokens generated per code prompt (default: preset)")
+    ap.add_argument("--window", type=_int_at_least(8, " (StreamingLLM keeps 4 sinks and window - 4 recent entries)"),
+                    default=256, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's)")
+    ap.add_argument("--alpha", type=_alpha, default=2.0, help="FOLD's concentration factor, in [1, 1e4]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        check_writable(args.out)
+    except OSError as exc:
+        ap.error(f"--out {args.out} is not a writable folder: {exc}")
 
     preset = PRESETS["quick" if args.quick else "default"]
-    lengths = args.lengths or preset["lengths"]
-    rows = tuple(args.rows or preset["rows"])
-    prompts = args.prompts or preset["prompts"]
-    new_tokens = args.new_tokens or preset["new_tokens"]
+    lengths = args.lengths if args.lengths is not None else preset["lengths"]
+    rows = tuple(args.rows if args.rows is not None else preset["rows"])
+    prompts = args.prompts if args.prompts is not None else preset["prompts"]
+    new_tokens = args.new_tokens if args.new_tokens is not None else preset["new_tokens"]
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     target, drafter, anchor = load_pair()
@@ -309,17 +371,13 @@ def main(argv=None) -> int:
     records = run_comparison(target, drafter, anchor, held=held, tasks=args.tasks, lengths=lengths, rows=rows,
                              prompts=prompts, new_tokens=new_tokens, window=args.window, alpha=args.alpha,
                              seed=args.seed, bar=bar, log=log)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(records, indent=1))      # kept if the diagnostic fails
+    table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, held=held, prompts=prompts, new_tokens=new_tokens,
                              seed=args.seed, bar=bar)
+        table = save_results(records, args.out)
     if bar is not None:
         bar.close()
-    (args.out / "results.json").write_text(json.dumps(records, indent=1))
-    plot(records, args.out / "tau_vs_length.png")
-    table = format_table(records)
-    (args.out / "table.txt").write_text(table + "\n")
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
