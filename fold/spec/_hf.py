@@ -1,45 +1,216 @@
-"""The few transformers calls the loop makes, across the 4.x and 5.x APIs."""
+"""Every transformers call the loop makes, across the 4.x and 5.x APIs, and the target's cache.
+
+The loop verifies ``[anchor] + drafts`` in one forward and then keeps only the accepted prefix,
+so each layer type of the target's cache must roll back exactly:
+
+- full attention (``DynamicLayer``): ``crop(-removed)``.
+- sliding window (``DynamicSlidingWindowLayer``): transformers' past recording, switched on after
+  the prefill (so the prompt never sits in full in a sliding layer); the verification's keys are
+  kept until ``crop(-removed)`` trims the rejected ones and shrinks the layer back to ``W - 1``.
+- linear attention (``LinearAttentionLayer``, Qwen3.5's Gated DeltaNet): transformers records the
+  conv inputs but *not* the recurrent state, which the verification forward overwrites with the
+  state after every drafted token. So before each verification the conv and recurrent states are
+  copied (one copy per layer, not one per position), and on a rejection they are restored and the
+  accepted rows are replayed through that layer's mixer alone, from its input in the
+  verification's ``hidden_states`` (exact: the same recurrence over the accepted tokens). When
+  every draft is accepted the state after the verification is already right and nothing is
+  replayed. The cost per round is recorded in ``fold/spec/FAMILIES.md``.
+
+Tree verification keeps an arbitrary path: :func:`keep_tree_path` compacts full and sliding
+layers; linear-attention targets are refused for trees (:func:`check_target`), since every tree
+node would need its own parent's recurrent state.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
 
 
 @functools.lru_cache(maxsize=None)
 def _cache_kwarg(forward) -> str:
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    params = inspect.signature(forward).parameters
+    return "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else "cache_params"
+
+
+def _layer_kind(layer) -> str:
+    """``"linear"``, ``"sliding"``, ``"full"`` or ``"none"`` (a KV-sharing consumer stores nothing)."""
+    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
+
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return "linear"
+    if isinstance(layer, DummyLayer):
+        return "none"
+    return "sliding" if getattr(layer, "is_sliding", False) else "full"
+
+
+def _layers(cache):
+    return getattr(cache, "layers", None) or []
+
+
+def _target_layer_types(target) -> list[str]:
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    return list(getattr(config, "layer_types", None) or [])
+
+
+def decoder_layers(target):
+    """The target's decoder layers (``target.model.layers``)."""
+    model = getattr(target, "model", None)
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(target).__name__} has no .model.layers; fold.spec needs a decoder-only causal LM")
+    return layers
+
+
+def check_target(target, *, tree: bool = False) -> None:
+    """Refuse, by name and before any work, a target whose cache the loop cannot roll back or,
+    with ``tree``, cannot verify a token tree in."""
+    types = _target_layer_types(target)
+    known = {"full_attention", "sliding_attention", "linear_attention"}
+    unknown = sorted(set(types) - known)
+    if unknown:
+        raise ValueError(f"{type(target).__name__}: layer_types {unknown} are not supported by fold.spec (it rolls "
+                         f"back {sorted(known)} layers)")
+    if "linear_attention" in types:
+        layers = decoder_layers(target)
+        missing = [i for i, t in enumerate(types) if t == "linear_attention"
+                   and not (hasattr(layers[i], "linear_attn") and hasattr(layers[i], "input_layernorm"))]
+        if missing:
+            raise ValueError(f"{type(target).__name__}: linear-attention layers {missing} have no .linear_attn / "
+                             ".input_layernorm, so their recurrent state cannot be replayed after a rejection")
+        if tree:
+            raise ValueError(f"tree verification is not supported for {type(target).__name__}: its linear-attention "
+                             "(Gated DeltaNet) layers carry a recurrent state, and every tree node would need the "
+                             "state after its own parent, which one chain-shaped forward cannot give; use a chain "
+                             "(tree=None)")
+
+
+# -- forward and rollback -------------------------------------------------------------------------
+
+@dataclass
+class _Replay:
+    """What a rollback of linear-attention layers needs from the last verification forward."""
+
+    target: object
+    snapshots: dict           # layer index -> (conv state, recurrent state) before the forward
+    hidden_states: tuple      # the forward's hidden_states: entry i is the input of decoder layer i
+    new_tokens: int
+
+
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _snapshot(cache) -> dict:
+    out = {}
+    for i, layer in enumerate(_layers(cache)):
+        if _layer_kind(layer) == "linear" and layer.has_previous_state[0]:
+            out[i] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+    return out
 
 
 def forward(target, ids, cache=None, position_ids=None):
-    """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache)."""
+    """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache).
+
+    After the call the cache records what :func:`crop` needs to roll back any layer type."""
     kwargs = {_cache_kwarg(type(target).forward): cache} if cache is not None else {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    snapshots = _snapshot(cache) if cache is not None else {}
     out = target(ids, use_cache=True, output_hidden_states=True, **kwargs)
     new_cache = out["cache"] if "cache" in out else out["past_key_values"]
+    for layer in _layers(new_cache):
+        if _layer_kind(layer) in ("sliding", "linear") and not layer.record_past:
+            layer.activate_past_recording()        # after the prefill: the prompt is never kept in full
+    if snapshots:
+        _PENDING[new_cache] = _Replay(target, snapshots, out.hidden_states, ids.shape[1])
     return out.logits, out.hidden_states, new_cache
 
 
+def seq_length(cache) -> int:
+    """Entries the cache holds (the position of the next token)."""
+    return cache.get_seq_length()
+
+
+def _replay_linear(replay: _Replay, cache, index: int, keep: int) -> None:
+    """Put linear-attention layer ``index`` back to its state before the verification, then run the
+    verification's first ``keep`` rows through that layer's mixer again."""
+    layer = cache.layers[index]
+    conv, recurrent = replay.snapshots[index]
+    layer.conv_states[0] = conv
+    layer.recurrent_states[0].copy_(recurrent)
+    if keep:
+        decoder = decoder_layers(replay.target)[index]
+        x = decoder.input_layernorm(replay.hidden_states[index][:, :keep])
+        decoder.linear_attn(x, **{_cache_kwarg(type(decoder.linear_attn).forward): cache})
+    layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
+
+
 def crop(cache, length: int) -> None:
-    """Keep the first ``length`` entries of every layer of ``cache``."""
-    current = cache.get_seq_length()
-    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:   # transformers >= 5.x
-        if current > length:
-            cache.crop(length - current)
-    else:
-        cache.crop(length)
+    """Keep the first ``length`` entries of every layer of ``cache``, whatever the layer type."""
+    layers = _layers(cache)
+    current = seq_length(cache)
+    removed = current - length
+    if removed < 0:
+        raise ValueError(f"cannot crop a cache of {current} entries to {length}")
+    replay = _PENDING.pop(cache, None)
+    if not layers:                                            # transformers 4.x tuple-style caches
+        if removed:
+            if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+                cache.crop(-removed)
+            else:
+                cache.crop(length)
+        return
+    for i, layer in enumerate(layers):
+        kind = _layer_kind(layer)
+        if kind == "linear":
+            if removed and (replay is None or i not in replay.snapshots):
+                raise RuntimeError(f"linear-attention layer {i}: no state saved before the last forward, so its "
+                                   "recurrent state cannot be rolled back")
+            if removed:
+                _replay_linear(replay, cache, i, replay.new_tokens - removed)
+            else:
+                layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
+        elif kind == "sliding":
+            layer.crop(-removed)                              # crop(0) shrinks back to the window
+        elif kind == "full" and removed:
+            layer.crop(-removed)
 
 
-def layer_keys(cache, index: int):
-    """Keys of layer ``index`` of a dynamic cache, ``[B, Hkv, T, d]`` (post-RoPE)."""
-    if hasattr(cache, "layers"):
-        return cache.layers[index].keys
-    return cache.key_cache[index]
+def keep_tree_path(cache, n_tree: int, kept) -> None:
+    """After a tree forward of ``n_tree`` nodes: keep the committed entries and the tree nodes
+    ``kept`` (indices into the tree, in order) in every full and sliding layer."""
+    kept = torch.as_tensor(kept)
+    layers = _layers(cache)
+    if not layers:                                            # transformers 4.x
+        for i in range(len(cache.key_cache)):
+            n_old = cache.key_cache[i].shape[2] - n_tree
+            idx = torch.cat([torch.arange(n_old), n_old + kept]).to(cache.key_cache[i].device)
+            cache.key_cache[i] = cache.key_cache[i].index_select(2, idx)
+            cache.value_cache[i] = cache.value_cache[i].index_select(2, idx)
+        return
+    for layer in layers:
+        kind = _layer_kind(layer)
+        if kind == "linear":
+            raise ValueError("a linear-attention layer cannot keep a tree path (see check_target)")
+        if kind == "none" or not layer.is_initialized:
+            continue
+        n_old = layer.keys.shape[2] - n_tree
+        idx = torch.cat([torch.arange(n_old), n_old + kept]).to(layer.keys.device)
+        layer.keys = layer.keys.index_select(2, idx)
+        layer.values = layer.values.index_select(2, idx)
+        if kind == "sliding":
+            layer.cumulative_length += len(kept) - n_tree
+            layer.keys = layer.keys[:, :, -layer.sliding_window + 1:]
+            layer.values = layer.values[:, :, -layer.sliding_window + 1:]
 
 
 def keep(cache, indices) -> None:
-    """Keep the entries ``indices`` (sorted, [K]) of every layer of ``cache``, in that order."""
+    """Keep the entries ``indices`` (sorted, [K]) of every full-attention layer of ``cache``, in that order."""
     if hasattr(cache, "layers"):
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(2, indices)
@@ -50,8 +221,64 @@ def keep(cache, indices) -> None:
             cache.value_cache[i] = cache.value_cache[i].index_select(2, indices)
 
 
+def layer_keys(cache, index: int):
+    """Keys of layer ``index`` of a dynamic cache, ``[B, Hkv, T, d]`` (post-RoPE)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[index].keys
+    return cache.key_cache[index]
+
+
 def layer_values(cache, index: int):
     """Values of layer ``index`` of a dynamic cache, ``[B, Hkv, T, d]``."""
     if hasattr(cache, "layers"):
         return cache.layers[index].values
     return cache.value_cache[index]
+
+
+# -- a target layer's query, for target-side retrieval (CMR) ------------------------------------------
+
+_CAPTURED: list = []
+
+
+def _capture_interface(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    _CAPTURED.append((query, scaling))
+    return query.transpose(1, 2), None                      # [B, T, Hq, d], the shape the layer expects
+
+
+@contextlib.contextmanager
+def _attention_implementation(target, name):
+    config = target.config
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@torch.no_grad()
+def attention_query(target, index: int, hidden_in, positions):
+    """The rotated query of attention layer ``index`` for rows whose layer input is ``hidden_in
+    [1, T, H]`` at ``positions [T]`` -> ``(q [1, Hq, T, d], scaling)``, exactly as the layer computes
+    it (its norms, gate split, partial or proportional RoPE), read through ``AttentionInterface``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("fold_capture", _capture_interface)
+    layer = decoder_layers(target)[index]
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden_in)
+    rotary = target.model.rotary_emb
+    pos = positions.view(1, -1).to(x.device)
+    types = _target_layer_types(target)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        embeddings = rotary(x, pos, layer_type=types[index] if types else "full_attention")
+    else:
+        embeddings = rotary(x, pos)
+    kwargs = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
+    if "shared_kv_states" in inspect.signature(type(attn).forward).parameters:
+        kwargs["shared_kv_states"] = {}
+    _CAPTURED.clear()
+    with _attention_implementation(target, "fold_capture"):
+        attn(**kwargs)
+    query, scaling = _CAPTURED.pop()
+    return query, (scaling if scaling is not None else attn.scaling)

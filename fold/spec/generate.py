@@ -265,6 +265,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
                              f"context policies do not apply (got policy={policy!r}, options {sorted(policy_options)})")
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be a positive int, got {gamma!r}")
+    _hf.check_target(target, tree=tree is not None)           # layer types it can roll back (and tree-verify)
     policy = policy or "fold"
     if tree is not None:
         if not (isinstance(tree, (tuple, list)) and tree

@@ -1,6 +1,13 @@
 """Tree verification: a token tree from the block drafter's per-slot candidates, verified in one
 target forward with ``fold.tree_attention`` inside the target (registered through transformers'
 ``AttentionInterface``, no per-model patches), then the cache compacted to the accepted path.
+
+A sliding-window layer of the target (window ``W``, counting the current token) keeps its window
+for every node: node ``i`` at depth ``d_i`` (position ``committed + d_i``) sees the cached entries
+at positions ``> committed + d_i - W`` and its ancestors at depth ``> d_i - W``. The entries every
+node sees go through ``fold.tree_attention`` as its cache segment; the at most ``max depth``
+oldest window entries that only shallower nodes see are one small masked read, merged by LSE
+(``fold.merge_states``). Targets with linear-attention layers are refused (``_hf.check_target``).
 """
 
 from __future__ import annotations
@@ -13,16 +20,47 @@ import torch
 import fold
 from fold.spec import _hf
 
-_CURRENT = contextvars.ContextVar("fold_tree_verification", default=None)   # (tree_mask [1, T, T], committed)
+_CURRENT = contextvars.ContextVar("fold_tree_verification", default=None)   # (tree_mask [1, T, T], depths [T])
 _REGISTERED = False
 
 
-def _tree_attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    # query [B, Hq, T, d]; key/value [B, Hkv, committed + T, d], rotated, cache first
-    mask, committed = _CURRENT.get()
+def _edge_read(q, k, v, visible, scaling):
+    """Explicit attention of ``q [1, T, Hq, d]`` over a few keys ``k, v [1, E, Hkv, d]`` with
+    ``visible [T, E]`` -> ``(o [1, T, Hq, d], lse [1, T, Hq])``, natural log, float32 or float64."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[2] // k.shape[2]
+    s = torch.einsum("thd,ehd->hte", q[0].to(work), k[0].to(work).repeat_interleave(group, 1)) * scaling
+    s = s.masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                                  # [Hq, T]
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    o = torch.einsum("hte,ehd->thd", p, v[0].to(work).repeat_interleave(group, 1))
+    return o[None].to(q.dtype), lse.transpose(0, 1)[None]
+
+
+def _tree_attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                              sliding_window=None, **kwargs):
+    # query [B, Hq, T, d]; key/value [B, Hkv, n_cache + T, d], rotated, the cached entries first
+    mask, depths = _CURRENT.get()
+    n_tree = query.shape[2]
+    n_cache = key.shape[2] - n_tree
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out = fold.tree_attention(q, k[:, :committed], v[:, :committed], k[:, committed:], v[:, committed:], mask,
-                              softmax_scale=scaling)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if not sliding_window:
+        out = fold.tree_attention(q, k[:, :n_cache], v[:, :n_cache], k[:, n_cache:], v[:, n_cache:], mask,
+                                  softmax_scale=scaling)
+        return out, None
+    # cached entry c sits at distance n_cache - c from the root: node i sees it iff n_cache - c + d_i < W
+    window, d_max = int(sliding_window), int(depths.max())
+    lo = max(0, n_cache - window + 1)                       # the oldest entry the root sees
+    shared = max(lo, n_cache - window + 1 + d_max)          # the oldest entry every node sees
+    in_reach = (depths[:, None] - depths[None, :]) < window
+    out, lse = fold.tree_attention(q, k[:, shared:n_cache], v[:, shared:n_cache], k[:, n_cache:], v[:, n_cache:],
+                                   mask & in_reach[None], softmax_scale=scaling, return_lse=True)
+    if shared > lo:
+        c = torch.arange(lo, shared, device=q.device)
+        visible = (n_cache - c[None, :] + depths[:, None]) < window                     # [T, shared - lo]
+        o_edge, lse_edge = _edge_read(q, k[:, lo:shared], v[:, lo:shared], visible, scaling)
+        out, _ = fold.merge_states([out, o_edge], [lse, lse_edge.to(lse.dtype)])
     return out, None
 
 
@@ -38,11 +76,19 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def tree_verification(target, tree_mask: torch.Tensor, committed: int):
-    """Within the block, the target's attention is ``fold.tree_attention`` over its cache + the tree."""
+def tree_verification(target, tree_mask: torch.Tensor, committed: int | None = None, depths=None):
+    """Within the block, the target's attention is ``fold.tree_attention`` over its cache + the tree.
+
+    ``tree_mask [1, T, T]``; ``depths [T]`` of the nodes (the root at 0), needed by sliding-window
+    layers (default: the number of ancestors, read off the mask). ``committed`` is not needed: each
+    layer's cached entries are the keys before the ``T`` tree nodes (a sliding layer holds only
+    its window)."""
     _register()
+    if depths is None:
+        depths = tree_mask[0].sum(-1) - 1
+    depths = torch.as_tensor(depths, device=tree_mask.device)
     previous = target.config._attn_implementation
-    token = _CURRENT.set((tree_mask, committed))
+    token = _CURRENT.set((tree_mask, depths))
     target.set_attn_implementation("fold_tree")
     try:
         yield
@@ -122,11 +168,11 @@ def verify_tree(target, cache, tokens, parents, depths, committed: int):
     mask = tree_mask(parents).to(device)[None]
     ids = torch.tensor([tokens], device=device)
     positions = torch.tensor([depths], device=device) + committed
-    with tree_verification(target, mask, committed):
+    with tree_verification(target, mask, depths=torch.tensor(depths, device=device)):
         logits, hidden_states, cache = _hf.forward(target, ids, cache, position_ids=positions)
     path, bonus = accept_path(tokens, parents, logits[0].argmax(-1).tolist())
     kept = [0] + path
-    _hf.keep(cache, torch.cat([torch.arange(committed), committed + torch.tensor(kept)]).to(device))
+    _hf.keep_tree_path(cache, len(tokens), kept)
     return path, bonus, kept, hidden_states
 
 
