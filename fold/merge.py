@@ -43,6 +43,9 @@ def merge_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
         >>> o1, lse1 = fold.attention(q, k1, v1, window=w, rope=rope, return_lse=True)
         >>> o, lse = fold.merge_states([o1, o2], [lse1, lse2])
     """
+    if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError(f"outputs and lses must be lists (or tuples) of tensors, got {type(outputs).__name__} and "
+                        f"{type(lses).__name__}")
     if len(outputs) != len(lses) or len(outputs) == 0:
         raise ValueError(f"outputs and lses must be non-empty and of equal length, got {len(outputs)} and {len(lses)}")
     ref_o = outputs[0]

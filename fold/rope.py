@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -47,6 +48,8 @@ class Rope:
                              f"got {tuple(inv_freq.shape)}")
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+        if isinstance(attention_factor, bool) or not isinstance(attention_factor, numbers.Real):
+            raise TypeError(f"attention_factor must be a real number, got {type(attention_factor).__name__}")
         attention_factor = float(attention_factor)
         if not (math.isfinite(attention_factor) and attention_factor > 0):
             raise ValueError(f"attention_factor must be finite and > 0, got {attention_factor}")
@@ -66,6 +69,8 @@ class Rope:
             raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+            raise TypeError(f"theta must be a real number, got {type(theta).__name__}")
         if not (math.isfinite(theta) and theta > 1):
             raise ValueError(f"theta must be finite and > 1, got {theta}")
         exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
@@ -88,7 +93,12 @@ class Rope:
             if theta is None:
                 raise ValueError("config has no rope_theta (neither config.rope_parameters['rope_theta'] "
                                  "nor config.rope_theta)")
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None)
+            if head_dim is None:
+                hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+                if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+                    raise ValueError("config has no head_dim, and no hidden_size and num_attention_heads to derive it")
+                head_dim = hidden // heads
             factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
             return cls.from_theta(float(theta), head_dim, rotary_dim=int(head_dim * factor))
         if rope_type not in ROPE_INIT_FUNCTIONS:

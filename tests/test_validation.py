@@ -98,3 +98,37 @@ def test_from_theta_rejects_odd_or_too_large_rotary_dim():
         fold.Rope.from_theta(10000.0, 64, rotary_dim=33)
     with pytest.raises(ValueError, match="rotary_dim must be even and in"):
         fold.Rope.from_theta(10000.0, 64, rotary_dim=66)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: fold.Rope.from_theta("x", 16), TypeError, "theta must be a real number"),
+    (lambda: fold.Rope(torch.ones(4), attention_factor="x"), TypeError, "attention_factor must be a real number"),
+    (lambda: fold.Rope.from_config(type("C", (), {"rope_theta": 1e4})()), ValueError, "config has no head_dim"),
+    (lambda: fold.merge_states(torch.zeros(2, 3), torch.zeros(2)), TypeError, "outputs and lses must be lists"),
+])
+def test_other_public_entry_points_name_the_bad_argument(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(groups=[[1.0, float("nan")]]), ValueError, "every value must be finite"),
+    (dict(groups="ab"), TypeError, "groups must be a list of lists"),
+    (dict(groups=[[1.0, 2.0]], confidence=1.5), ValueError, "confidence must be a float in"),
+    (dict(groups=[[1.0, 2.0]], n_resamples=0), ValueError, "n_resamples must be a positive int"),
+])
+def test_bootstrap_ci_checks_its_arguments(kwargs, error, words):
+    from fold import spec
+
+    with pytest.raises(error, match=words):
+        spec.bootstrap_ci(**kwargs)
+
+
+def test_speedup_needs_the_same_sequences():
+    from fold import spec
+    from fold.spec.generate import GenerateResult
+
+    one = GenerateResult(torch.zeros(1, 1), 1.0, dict(per_sequence=[dict(tpot_s=1.0)]))
+    two = GenerateResult(torch.zeros(2, 1), 1.0, dict(per_sequence=[dict(tpot_s=1.0)] * 2))
+    with pytest.raises(ValueError, match="the same sequences"):
+        spec.per_sequence_speedup(one, two)

@@ -14,6 +14,9 @@ def per_sequence_tau(result) -> list[float]:
 
 def per_sequence_speedup(result, ar_result) -> list[float]:
     """``TPOT_AR / TPOT`` per sequence (TPOT: decode time after the first token / further tokens)."""
+    ours, theirs = result.stats["per_sequence"], ar_result.stats["per_sequence"]
+    if len(ours) != len(theirs):
+        raise ValueError(f"result and ar_result must hold the same sequences, got {len(ours)} and {len(theirs)}")
     return [a["tpot_s"] / s["tpot_s"] for s, a in zip(result.stats["per_sequence"], ar_result.stats["per_sequence"])]
 
 
@@ -25,9 +28,18 @@ def bootstrap_ci(groups: Sequence[Sequence[float]], *, n_resamples: int = 2000, 
     For a paired comparison pass per-request paired quantities (e.g. speedup ratios, or
     differences of τ between two methods on the same requests). Returns ``(mean, low, high)``.
     """
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or \
+            any(isinstance(g, (str, bytes)) or not isinstance(g, Sequence) for g in groups):
+        raise TypeError("groups must be a list of lists of numbers (one list per task)")
+    if isinstance(n_resamples, bool) or not isinstance(n_resamples, int) or n_resamples < 1:
+        raise ValueError(f"n_resamples must be a positive int, got {n_resamples!r}")
+    if not (isinstance(confidence, float) and 0 < confidence < 1):
+        raise ValueError(f"confidence must be a float in (0, 1), got {confidence!r}")
     tensors = [torch.as_tensor(list(g), dtype=torch.float64) for g in groups]
     if not tensors or any(t.numel() == 0 for t in tensors):
         raise ValueError("every group needs at least one value")
+    if any(not bool(torch.isfinite(t).all()) for t in tensors):
+        raise ValueError("every value must be finite (a NaN or inf would make the interval meaningless)")
     gen = torch.Generator().manual_seed(seed)
     point = torch.stack([t.mean() for t in tensors]).mean()
     means = torch.zeros(n_resamples, dtype=torch.float64)
