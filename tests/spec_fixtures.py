@@ -12,16 +12,36 @@ VOCAB = 97
 TARGET_LAYERS = 4
 
 
-def make_target(kind: str, path, seed: int = 0, vocab: int = VOCAB):
-    """A tiny Llama or Qwen3 causal LM, saved with save_pretrained and loaded back (float32)."""
-    torch.manual_seed(seed)
+TARGET_WINDOW = 8      # the tiny Gemma-4 target's sliding window
+
+
+def target_config(kind: str, vocab: int = VOCAB):
+    """Configs of the tiny targets: "llama", "qwen3", "qwen3_5" (Gated DeltaNet + gated full attention,
+    partial RoPE) and "gemma4" (sliding + full layers, attention_k_eq_v, proportional RoPE, softcap)."""
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                   initializer_range=0.3, tie_word_embeddings=False)
     if kind == "llama":
-        config = transformers.LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    else:
-        config = transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        return transformers.LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if kind == "qwen3_5":
+        return transformers.AutoConfig.for_model(
+            "qwen3_5_text", **common, layer_types=["linear_attention", "full_attention"] * (TARGET_LAYERS // 2),
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4)
+    if kind == "gemma4":       # small global_head_dim / per-layer inputs, or the defaults make it huge
+        return transformers.AutoConfig.for_model(
+            "gemma4_text", **common, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab, sliding_window=TARGET_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2), final_logit_softcapping=30.0)
+    raise ValueError(f"unknown target kind {kind!r}")
+
+
+def make_target(kind: str, path, seed: int = 0, vocab: int = VOCAB):
+    """A tiny causal LM of ``kind`` (see :func:`target_config`), saved with save_pretrained and loaded back (float32)."""
+    torch.manual_seed(seed)
+    config = target_config(kind, vocab)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -47,9 +67,42 @@ def _backbone(hidden, layers, heads_q, heads_kv, head_dim, inter, n_taps, gen):
     return state
 
 
+DRAFTER_WINDOW = 5     # the sliding window of the tiny z-lab drafters' sliding layers
+GEMMA_HEAD_DIM = 32    # Gemma4DSparkModel's head_dim (the target's global_head_dim)
+
+
+def _gemma4_backbone(hidden, layers, heads_q, heads_kv, head_dim, inter, n_taps, gen, k_eq_v):
+    w = lambda *s: torch.randn(*s, generator=gen) * 0.2  # noqa: E731
+    state = {"fc.weight": w(hidden, n_taps * hidden), "hidden_norm.weight": 1 + w(hidden), "norm.weight": 1 + w(hidden)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": w(heads_q * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(heads_kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads_q * head_dim),
+            p + "self_attn.q_norm.weight": 1 + w(head_dim), p + "self_attn.k_norm.weight": 1 + w(head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
+            p + "pre_feedforward_layernorm.weight": 1 + w(hidden), p + "post_feedforward_layernorm.weight": 1 + w(hidden),
+            p + "layer_scalar": torch.tensor([0.5 + 0.1 * i]),
+        })
+        if not k_eq_v:
+            state[p + "self_attn.v_proj.weight"] = w(heads_kv * head_dim, hidden)
+    return state
+
+
 def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2), markov_rank=8, seed=0,
-                 config_overrides=None):
-    """Write a drafter directory: fmt in {"zlab", "zlab-legacy", "deepspec-dflash", "dspark"}."""
+                 config_overrides=None, k_eq_v=True):
+    """Write a drafter directory. ``fmt``:
+
+    - "zlab", "zlab-legacy": z-lab DFlash (block size in ``dflash_config`` / at top level);
+    - "zlab-swa": z-lab with a sliding-window layer (window ``DRAFTER_WINDOW``) before a full one,
+      as the Qwen3.5 drafters; "zlab-gemma": the same plus ``input_embedding_scale``,
+      ``output_multiplier`` and ``final_logit_softcapping`` (z-lab's Gemma drafters);
+    - "deepspec-dflash", "dspark": DeepSpec ``Qwen3DSparkModel``;
+    - "gemma4-dflash", "gemma4-dspark": DeepSpec ``Gemma4DSparkModel`` (``attention_k_eq_v`` per ``k_eq_v``).
+    """
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tc = target.config
@@ -59,10 +112,39 @@ def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2),
                     num_target_layers=tc.num_hidden_layers)
     state = _backbone(tc.hidden_size, layers, 4, 2, 16, 96, len(taps), gen)
     mask_id = tc.vocab_size - 1
-    if fmt == "zlab":          # transformers-5 style revision: block size inside dflash_config
+    if fmt in ("zlab", "zlab-swa", "zlab-gemma"):   # transformers-5 style revision: block size inside dflash_config
         config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], **geometry,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       dflash_config=dict(block_size=block_size, target_layer_ids=list(taps), mask_token_id=mask_id))
+        if fmt != "zlab":
+            config.update(layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+                          sliding_window=DRAFTER_WINDOW, use_sliding_window=True)
+        if fmt == "zlab-gemma":
+            config["dflash_config"].update(input_embedding_scale=8.0, output_multiplier=0.5,
+                                           final_logit_softcapping=4.0)
+    elif fmt in ("gemma4-dflash", "gemma4-dspark"):
+        rank = markov_rank if fmt == "gemma4-dspark" else 0
+        config = dict(model_type="gemma4_text", architectures=["Gemma4DSparkModel"], hidden_size=tc.hidden_size,
+                      intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, global_head_dim=GEMMA_HEAD_DIM, num_global_key_value_heads=1 if k_eq_v else 2,
+                      attention_k_eq_v=k_eq_v, rms_norm_eps=1e-6, attention_bias=False,
+                      hidden_activation="gelu_pytorch_tanh", vocab_size=tc.vocab_size, final_logit_softcapping=30.0,
+                      layer_types=["full_attention"] * layers, sliding_window=512, hidden_size_per_layer_input=0,
+                      rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                          "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                      num_target_layers=tc.num_hidden_layers, block_size=block_size, target_layer_ids=list(taps),
+                      mask_token_id=mask_id, num_anchors=512, markov_rank=rank, markov_head_type="vanilla",
+                      enable_confidence_head=True, confidence_head_with_markov=False, tie_word_embeddings=False)
+        state = _gemma4_backbone(tc.hidden_size, layers, 4, 1 if k_eq_v else 2, GEMMA_HEAD_DIM, 96, len(taps), gen,
+                                 k_eq_v)
+        state["embed_tokens.weight"] = torch.randn(tc.vocab_size, tc.hidden_size, generator=gen) * 0.1
+        state["lm_head.weight"] = torch.randn(tc.vocab_size, tc.hidden_size, generator=gen) * 0.5
+        state["confidence_head.proj.weight"] = torch.randn(1, tc.hidden_size, generator=gen)
+        state["confidence_head.proj.bias"] = torch.zeros(1)
+        if rank:
+            state["markov_head.markov_w1.weight"] = torch.randn(tc.vocab_size, rank, generator=gen)
+            state["markov_head.markov_w2.weight"] = torch.randn(tc.vocab_size, rank, generator=gen) * 0.5
     elif fmt == "zlab-legacy":  # older revision: top-level block_size and rope_theta
         config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], **geometry, rope_theta=10000.0,
                       block_size=block_size, dflash_config=dict(target_layer_ids=list(taps), mask_token_id=mask_id))

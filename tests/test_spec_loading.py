@@ -54,13 +54,15 @@ def _rewrite_config(path, **changes):
 
 @pytest.mark.parametrize("changes, words", [
     (dict(hidden_size=32), "drafter hidden_size=32 != target hidden_size=64"),
-    (dict(vocab_size=50), "drafter vocab_size=50 != target vocab_size=97"),
+    (dict(vocab_size=50, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 40}),
+     "drafter vocab_size=50 != target vocab_size=97"),
     (dict(dflash_config={"target_layer_ids": [0, 3], "mask_token_id": 96}), "target_layer_ids [3] out of range"),
     (dict(architectures=["DFlash2DraftModel"]), "DFlash2"),
     (dict(architectures=["EagleModel"], dflash_config=None), "unknown drafter architecture 'EagleModel'"),
     (dict(intermediate_size=None), "has no 'intermediate_size'"),
-    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding-window or causal layers"),
-    (dict(is_causal=True), "sliding-window or causal layers"),
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+     "has sliding_attention layers but use_sliding_window is None"),
+    (dict(is_causal=True), "makes full-attention layers causal over the block"),
     (dict(dflash_config={"target_layer_ids": [0, 2]}), "has no mask_token_id"),
     (dict(dflash_config={"target_layer_ids": [0, 1, 2], "mask_token_id": 96}), "fc.weight takes 128 features"),
 ])
@@ -95,9 +97,9 @@ def test_not_a_directory_of_a_drafter(tmp_path, target):
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
-    (dict(max_new_tokens=4, temperature=-1.0), "temperature must be a number >= 0"),
+    (dict(max_new_tokens=4, temperature=-1.0), "temperature must be a finite number >= 0"),
     (dict(max_new_tokens=4, policy="h2o"), "policy must be one of"),
-    (dict(max_new_tokens=4, attention_mask=torch.ones(1, 3)), "attention_mask must have input_ids' shape"),
+    (dict(max_new_tokens=4, attention_mask=torch.ones(1, 3)), "attention_mask must be a tensor of input_ids' shape"),
 ])
 def test_bad_generate_arguments(tmp_path, target, kwargs, words):
     drafter = spec.load_drafter(make_drafter(tmp_path / "d", target, "zlab"), target)

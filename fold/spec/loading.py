@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch
 import fold
 from fold.spec.drafter import Drafter, DrafterConfig
 
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel", "Gemma4DSparkModel")
 KEY_ALIASES = {"midlayer.": "layers.0.", "encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
 
 
@@ -25,60 +27,219 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; unreadable, invalid or non-object files are a ValueError naming it."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
 def _require(config: dict, name: str, path: Path):
-    if name not in config:
+    if config.get(name) is None:
         raise ValueError(f"{path}/config.json has no {name!r}")
     return config[name]
 
 
+def _int(value, name: str, path: Path, minimum: int):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{path}/config.json: {name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{path}/config.json: {name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def _number(value, name: str, path: Path, *, positive: bool = True):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (positive and value <= 0):
+        raise ValueError(f"{path}/config.json: {name} must be a finite number{' > 0' if positive else ''}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def architecture(config: dict, path: Path) -> str | None:
+    """``architectures[0]``; the field must be a list of strings."""
+    archs = config.get("architectures")
+    if archs is None:
+        return None
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise TypeError(f"{path}/config.json: architectures must be a list of strings (e.g. [\"DFlashDraftModel\"]), "
+                        f"got {archs!r}")
+    return archs[0] if archs else None
+
+
+def _dflash_config(config: dict, path: Path) -> dict:
+    dflash = config.get("dflash_config")
+    if dflash is None:
+        return {}
+    if not isinstance(dflash, dict):
+        raise TypeError(f"{path}/config.json: dflash_config must be an object, got {dflash!r}")
+    return dflash
+
+
+def _layer_rules(config: dict, dflash: dict, layers: int, path: Path, zlab: bool):
+    """Per layer ``(sliding window or None, causal)`` from ``layer_types``, ``sliding_window``,
+    ``use_sliding_window``, ``is_causal`` / ``dflash_config.causal`` (serving engines' rule: an
+    explicit ``is_causal`` wins, then ``dflash_config.causal``, else a layer is causal exactly when
+    it is a sliding-window layer; the window counts the current token)."""
+    where = f"{path}/config.json"
+    types = config.get("layer_types")
+    if types is None:
+        types = ["full_attention"] * layers
+    if not (isinstance(types, list) and len(types) == layers
+            and all(t in ("full_attention", "sliding_attention") for t in types)):
+        raise ValueError(f"{where}: layer_types must list 'full_attention' / 'sliding_attention' for each of the "
+                         f"{layers} layers (num_hidden_layers), got {types!r}")
+    if dflash.get("use_swa"):
+        raise ValueError(f"{where}: dflash_config.use_swa (every layer a non-causal sliding window, MiMo) is not "
+                         "supported; list the sliding layers in layer_types instead")
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and not zlab:
+        raise ValueError(f"{where}: layer_types {types} has sliding_attention layers, but DeepSpec drafters read "
+                         "every layer as full, bidirectional attention")
+    window = None
+    if any(sliding):
+        if config.get("model_type", "qwen3") in ("qwen3", "qwen2") and config.get("use_sliding_window") is not True:
+            raise ValueError(f"{where}: layer_types has sliding_attention layers but use_sliding_window is "
+                             f"{config.get('use_sliding_window')!r}; a {config.get('model_type', 'qwen3')} config "
+                             "then drops sliding_window, and engines disagree on what such a layer reads")
+        window = _int(config.get("sliding_window"), "sliding_window", path, 1)
+    causal = _first(config.get("is_causal"), dflash.get("causal"))
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"{where}: is_causal / dflash_config.causal must be true or false, got {causal!r}")
+    if not zlab:
+        causal = None                       # DeepSpec's inference reads every layer bidirectionally
+    if causal is True and not all(sliding):
+        raise ValueError(f"{where}: is_causal / dflash_config.causal = true makes full-attention layers causal over "
+                         "the block, which fold.spec does not support (FOLD and the baselines read a full layer's "
+                         "block bidirectionally)")
+    return ([window if s else None for s in sliding],
+            [(s if causal is None else causal) for s in sliding])
+
+
+def _gemma4_rope(config: dict, target_config, head_dim: int, path: Path) -> fold.Rope:
+    """The target's full-attention RoPE: proportional (rotated frequencies over ``head_dim``, the
+    rest zero, i.e. unrotated), or default; from the drafter's (or else the target's) rope_parameters."""
+    params = config.get("rope_parameters") or getattr(target_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    if not isinstance(params, dict) or params.get("rope_theta") is None:
+        raise ValueError(f"{path}/config.json: rope_parameters (['full_attention']) must give rope_theta")
+    theta = _number(params["rope_theta"], "rope_parameters.rope_theta", path)
+    partial = _number(params.get("partial_rotary_factor", 1.0), "partial_rotary_factor", path)
+    factor = _number(params.get("factor", 1.0), "rope_parameters.factor", path)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "proportional":             # transformers' _compute_proportional_rope_parameters
+        angles = int(partial * head_dim // 2)
+        rotated = 1.0 / theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim)
+        inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - angles)]) / factor
+        return fold.Rope(inv_freq, rotary_dim=head_dim)
+    if rope_type == "default" and factor == 1.0:
+        return fold.Rope.from_theta(theta, head_dim, rotary_dim=int(head_dim * partial))
+    raise ValueError(f"{path}/config.json: rope_type {rope_type!r} of the full-attention layers is not supported "
+                     "(proportional or default)")
+
+
+def _qwen3_rope(config: dict, path: Path) -> fold.Rope:
+    import transformers
+
+    try:
+        rope_config = transformers.Qwen3Config(**{k: v for k, v in config.items()
+                                                  if k not in ("architectures", "dflash_config", "auto_map")})
+        return fold.Rope.from_config(rope_config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}/config.json: cannot build the drafter's RoPE from its fields ({e})") from None
+
+
 def read_config(path: Path, target_config) -> DrafterConfig:
     """Detect the format and resolve every field with the fallbacks seen across checkpoint revisions."""
-    config = json.loads((path / "config.json").read_text())
-    arch = (config.get("architectures") or [None])[0]
+    config = read_json(path / "config.json")
+    arch = architecture(config, path)
     if arch == "DFlash2DraftModel":
         raise ValueError(f"{path}: DFlash2 checkpoints (DFlash2DraftModel: conv layers, candidate selector) "
                          "are not supported")
-    dflash = config.get("dflash_config") or {}
+    dflash = _dflash_config(config, path)
     if arch == "DFlashDraftModel" or (arch is None and dflash):
-        sample_from_anchor = False
-    elif arch == "Qwen3DSparkModel":
-        sample_from_anchor = True
+        fmt = "zlab"
+    elif arch in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
+        fmt = arch
     else:
         raise ValueError(f"{path}: unknown drafter architecture {arch!r}; supported: 'DFlashDraftModel' "
-                         "(z-lab DFlash) and 'Qwen3DSparkModel' (DeepSpec DFlash / DSpark)")
-    layer_types = config.get("layer_types") or []
-    causal = _first(config.get("is_causal"), dflash.get("causal"))
-    if "sliding_attention" in layer_types or dflash.get("use_swa") or causal:
-        raise ValueError(f"{path}: drafters with sliding-window or causal layers (layer_types {layer_types}, "
-                         f"is_causal/causal={causal}, use_swa={dflash.get('use_swa')}) are not supported yet; "
-                         "every layer must be full, bidirectional attention")
-    markov_rank = int(config.get("markov_rank") or 0) if sample_from_anchor else 0
+                         "(z-lab DFlash), 'Qwen3DSparkModel' and 'Gemma4DSparkModel' (DeepSpec DFlash / DSpark)")
+    deepspec = fmt != "zlab"
+    gemma = fmt == "Gemma4DSparkModel"
+    markov_rank = _int(config.get("markov_rank") or 0, "markov_rank", path, 0) if deepspec else 0
     if markov_rank and config.get("markov_head_type", "vanilla") != "vanilla":
         raise ValueError(f"{path}: DSpark markov_head_type {config['markov_head_type']!r} is not supported "
                          "(only 'vanilla', the released checkpoints' head)")
-    hidden = _require(config, "hidden_size", path)
-    heads_q = _require(config, "num_attention_heads", path)
-    layers = _require(config, "num_hidden_layers", path)
+    hidden = _int(_require(config, "hidden_size", path), "hidden_size", path, 1)
+    heads_q = _int(_require(config, "num_attention_heads", path), "num_attention_heads", path, 1)
+    layers = _int(_require(config, "num_hidden_layers", path), "num_hidden_layers", path, 1)
+    inter = _int(_require(config, "intermediate_size", path), "intermediate_size", path, 1)
+    vocab = _int(_require(config, "vocab_size", path), "vocab_size", path, 1)
     num_target_layers = _first(config.get("num_target_layers"), target_config.num_hidden_layers)
     ids = _first(dflash.get("target_layer_ids"), config.get("target_layer_ids"))
     if ids is None:
-        ids = build_target_layer_ids(num_target_layers, layers)
+        ids = build_target_layer_ids(_int(num_target_layers, "num_target_layers", path, 1), layers)
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise TypeError(f"{path}/config.json: target_layer_ids must be a non-empty list of ints, got {ids!r}")
     mask_id = _first(dflash.get("mask_token_id"), config.get("mask_token_id"))
     if mask_id is None:
         raise ValueError(f"{path}/config.json has no mask_token_id (neither dflash_config.mask_token_id nor top level)")
-    import transformers
-
-    rope_config = transformers.Qwen3Config(**{k: v for k, v in config.items()
-                                              if k not in ("architectures", "dflash_config", "auto_map")})
-    return DrafterConfig(
-        hidden_size=hidden, intermediate_size=_require(config, "intermediate_size", path), num_layers=layers,
-        heads_q=heads_q, heads_kv=config.get("num_key_value_heads", heads_q),
-        head_dim=config.get("head_dim") or hidden // heads_q, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        attention_bias=bool(config.get("attention_bias", False)), vocab_size=_require(config, "vocab_size", path),
-        block_size=int(_first(config.get("block_size"), dflash.get("block_size"), 16)),
-        target_layer_ids=[int(i) for i in ids], mask_token_id=int(mask_id), sample_from_anchor=sample_from_anchor,
-        markov_rank=markov_rank, has_embeddings=sample_from_anchor, rope=fold.Rope.from_config(rope_config),
-    )
+    mask_id = _int(mask_id, "mask_token_id", path, 0)
+    if mask_id >= vocab:
+        raise ValueError(f"{path}/config.json: mask_token_id={mask_id} is outside the vocabulary "
+                         f"(vocab_size={vocab})")
+    block_size = _int(_first(config.get("block_size"), dflash.get("block_size"), 16), "block_size", path,
+                      1 if deepspec else 2)
+    eps = _number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", path)
+    windows, causal = _layer_rules(config, dflash, layers, path, zlab=not deepspec)
+    common = dict(hidden_size=hidden, intermediate_size=inter, num_layers=layers, heads_q=heads_q,
+                  rms_norm_eps=eps, attention_bias=bool(config.get("attention_bias", False)), vocab_size=vocab,
+                  block_size=block_size, target_layer_ids=list(ids), mask_token_id=mask_id,
+                  sample_from_anchor=deepspec, markov_rank=markov_rank, has_embeddings=deepspec,
+                  layer_windows=windows, layer_causal=causal)
+    if gemma:
+        for name in ("enable_moe_block", "hidden_size_per_layer_input"):
+            if config.get(name):
+                raise ValueError(f"{path}/config.json: {name}={config[name]!r} is not supported by "
+                                 "Gemma4DSparkModel (DeepSpec's block has neither)")
+        act = config.get("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"{path}/config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        head_dim = _int(_require(config, "global_head_dim", path), "global_head_dim", path, 2)
+        k_eq_v = bool(config.get("attention_k_eq_v", False))
+        kv_name = "num_global_key_value_heads" if k_eq_v else "num_key_value_heads"
+        heads_kv = _int(_require(config, kv_name, path), kv_name, path, 1)
+        cap = config.get("final_logit_softcapping")
+        cfg = DrafterConfig(**common, heads_kv=heads_kv, head_dim=head_dim, style="gemma4", softmax_scale=1.0,
+                            embed_scale=math.sqrt(hidden), k_eq_v=k_eq_v, hidden_act=act,
+                            logit_softcap=None if cap is None else _number(cap, "final_logit_softcapping", path),
+                            rope=_gemma4_rope(config, target_config, head_dim, path))
+    else:
+        heads_kv = _int(config.get("num_key_value_heads", heads_q), "num_key_value_heads", path, 1)
+        head_dim = _int(config.get("head_dim") or hidden // heads_q, "head_dim", path, 2)
+        cap = dflash.get("final_logit_softcapping")
+        cfg = DrafterConfig(**common, heads_kv=heads_kv, head_dim=head_dim, rope=_qwen3_rope(config, path),
+                            embed_scale=_number(dflash.get("input_embedding_scale", 1.0),
+                                                "dflash_config.input_embedding_scale", path),
+                            logit_multiplier=_number(dflash.get("output_multiplier", 1.0),
+                                                     "dflash_config.output_multiplier", path),
+                            logit_softcap=None if cap is None else
+                            _number(cap, "dflash_config.final_logit_softcapping", path))
+    if heads_q % cfg.heads_kv:
+        raise ValueError(f"{path}/config.json: num_attention_heads={heads_q} must be a multiple of the key/value "
+                         f"heads ({cfg.heads_kv})")
+    if cfg.rope.rotary_dim > head_dim:
+        raise ValueError(f"{path}/config.json: the RoPE rotates {cfg.rope.rotary_dim} dims but head_dim is {head_dim}")
+    return cfg
 
 
 def _validate_against_target(cfg: DrafterConfig, target_config, path: Path) -> None:
@@ -94,19 +255,31 @@ def _validate_against_target(cfg: DrafterConfig, target_config, path: Path) -> N
                          f"(output-of-layer ids in [-1, {last - 1}]; the last layer is never tapped)")
 
 
-def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    if not file.is_file():
+        raise ValueError(f"{file}: missing (named by the checkpoint)")
+    try:
+        return load_file(str(file))
+    except Exception as e:            # SafetensorError and OSError name no file; say which one
+        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(f, str) for f in weight_map.values())):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names, got {weight_map!r}")
+        files = sorted(set(weight_map.values()))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path}: no model.safetensors (or model.safetensors.index.json)")
     state = {}
     for name in files:
-        state.update(load_file(str(path / name)))
+        state.update(_load_file(path / name))
     out = {}
     for key, value in state.items():
         key = key.removeprefix("model.")
@@ -118,15 +291,19 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _is_glide(path: Path, config: dict) -> bool:
-    arch = " ".join(config.get("architectures") or [])
-    if "Glide" in arch:
+    if "Glide" in (architecture(config, path) or ""):
         return True
-    index = path / "model.safetensors"
-    if index.is_file():
+    if architecture(config, path) in DRAFTER_ARCHITECTURES or config.get("dflash_config"):
+        return False
+    weights = path / "model.safetensors"
+    if weights.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(index), "pt") as f:
-            return any(k.removeprefix("model.").startswith("cross_attn.") for k in f.keys())
+        try:
+            with safe_open(str(weights), "pt") as f:
+                return any(k.removeprefix("model.").startswith("cross_attn.") for k in f.keys())
+        except Exception as e:        # SafetensorError names no file
+            raise ValueError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     return False
 
 
@@ -149,6 +326,10 @@ def load_glide(path: Path, config: dict, target):
                       rms_norm_eps=config.get("rms_norm_eps", 1e-6), vocab_size=config["vocab_size"],
                       window=int(config.get("glide_window", 512)), rope=fold.Rope.from_config(rope_config))
     tc = target.config
+    types = sorted(set(getattr(tc, "layer_types", None) or ["full_attention"]))
+    if types != ["full_attention"]:
+        raise ValueError(f"{path}: a GLIDE drafter cross-attends the target's last-layer KV cache at true positions; "
+                         f"targets with {types} layers (sliding-window or linear attention) are not supported")
     target_heads_kv = getattr(tc, "num_key_value_heads", tc.num_attention_heads)
     target_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     if cfg.hidden_size != tc.hidden_size:
@@ -172,17 +353,29 @@ def load_glide(path: Path, config: dict, target):
 def load_drafter(path, target):
     """Load a drafter directory (``config.json`` + safetensors) for ``target`` (a transformers causal LM).
 
-    Formats: z-lab DFlash (``DFlashDraftModel`` or a ``dflash_config`` block; the target's embedding
-    and LM head are used) and DeepSpec DFlash/DSpark (``Qwen3DSparkModel``; shipped embedding/head,
-    vanilla Markov head when ``markov_rank > 0``; a confidence head, if shipped, is not used).
-    LongSpec GLIDE directories (a single decoder layer with ``self_attn`` and ``cross_attn``, the
-    target's config) load as :class:`fold.spec.glide.GlideDrafter`. Unknown formats, DFlash2 and
-    non-vanilla Markov heads are refused by name.
+    Formats (``fold/spec/FAMILIES.md`` has the table of targets x formats):
+
+    - z-lab DFlash (``DFlashDraftModel`` or a ``dflash_config`` block): Qwen3-style blocks, the
+      target's embedding and LM head, with ``dflash_config.input_embedding_scale``,
+      ``output_multiplier`` and ``final_logit_softcapping`` (Gemma drafters); sliding-window layers
+      from ``layer_types`` / ``sliding_window`` / ``use_sliding_window``, causal unless
+      ``is_causal`` / ``dflash_config.causal`` say otherwise.
+    - DeepSpec DFlash/DSpark (``Qwen3DSparkModel``, ``Gemma4DSparkModel``): shipped embedding and
+      head, every slot drafts, vanilla Markov head when ``markov_rank > 0``; a confidence head, if
+      shipped, is not used. The Gemma-4 block is read from ``config.json`` (DeepSpec's own code
+      needs transformers 5.10).
+    - LongSpec GLIDE (a single decoder layer with ``self_attn`` and ``cross_attn``, the target's
+      config): :class:`fold.spec.glide.GlideDrafter`.
+
+    Everything is checked here, before any generation: unreadable or invalid files and fields are a
+    ``ValueError``/``TypeError`` naming the file and the field, as is a drafter that does not fit
+    ``target`` (hidden size, vocabulary, tapped layers, ``fc`` width, mask id). Unknown formats,
+    DFlash2, ``use_swa``, causal full-attention layers and non-vanilla Markov heads are refused by name.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: not a drafter directory (no config.json)")
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_json(path / "config.json")
     if _is_glide(path, raw):
         return load_glide(path, raw, target)
     cfg = read_config(path, target.config)
@@ -195,6 +388,17 @@ def load_drafter(path, target):
         raise ValueError(f"{path}: fc.weight takes {fc.shape[1]} features but {len(cfg.target_layer_ids)} tapped "
                          f"layers x hidden_size {target.config.hidden_size} = "
                          f"{len(cfg.target_layer_ids) * target.config.hidden_size}")
+    if not cfg.has_embeddings:
+        table = getattr(target.get_input_embeddings(), "weight", None)
+        if table is None or tuple(table.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"{path}: a z-lab drafter reads the target's embedding table, which must be "
+                             f"[vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], got "
+                             f"{None if table is None else tuple(table.shape)}")
+    shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    wrong = [f"{k} {tuple(v.shape)} (config wants {shapes[k]})" for k, v in state.items()
+             if k in shapes and tuple(v.shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"{path}: weights do not match config.json: {wrong[:4]}")
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the config: missing {sorted(missing)[:8]}, "

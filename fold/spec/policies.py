@@ -1,8 +1,11 @@
-"""How the drafter reads its context: one ``read(q, k, v, layer) -> o`` per policy.
+"""How the drafter reads its context: one read per policy and sequence.
 
-Every read gets the block's pre-RoPE queries ``q [1, n_q, Hq, d]`` and the layer's pre-RoPE cache
-``k, v [1, L, Hkv, d]`` whose last ``n_q`` rows are the block (row r at true position ``n + r``),
-and returns ``o [1, n_q, Hq, d]``. Settings follow the FOLD paper's Appendix B.3:
+A read serves every drafter layer. For a full-attention layer it is called as ``read(q, k, v,
+layer)``; for a sliding-window layer as ``read.sliding(q, k, v, layer, sliding_window=Ws,
+causal=c)``. Both get the block's pre-RoPE queries ``q [1, n_q, Hq, d]`` and the layer's pre-RoPE
+cache ``k, v [1, L, Hkv, d]`` whose last ``n_q`` rows are the block (row r at true position
+``n + r``), and return ``o [1, n_q, Hq, d]``; logits use ``head_dim ** -0.5`` (a drafter with
+another scale folds the ratio into ``q``). Settings follow the FOLD paper's Appendix B.3:
 
 - ``dflash``: the original drafter, every entry at its true position (context keys rotated once and kept,
   as an engine caches them: :class:`CachedPlainRead`).
@@ -15,18 +18,36 @@ and returns ``o [1, n_q, Hq, d]``. Settings follow the FOLD paper's Appendix B.3
   ``s = max(1, ceil((P + G + Q) / 256) * 256 / R)`` on top of the drafter's own ``inv_freq``.
 - ``rerope``: FOLD's window at true distances, every older entry at distance ``D`` from every row,
   one softmax, queries scaled by ``max(1, log(p + 1) / log(4096))``.
-
 - ``infllm``, ``cmr``: the retrieval baselines (``fold.spec.retrieval``), stateful per sequence.
+
+Sliding-window layers (window ``Ws`` counting the current token; causal unless the checkpoint says
+otherwise) follow Appendix B.3's per-layer rules. Their native read (:func:`sliding_state`): row r
+at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (else ``j - p < Ws``).
+
+- ``dflash``, ``window``, ``streaming``, ``yarn``, ``infllm``: the native read (these policies
+  change the full-attention layers alone).
+- ``fold``: the native read is the local branch, and every context entry outside the row's
+  native window (``j <= p - Ws``) is far memory, read at the shared far position of the full
+  layers (distance ``D + r``, ``D = window + n_q``) with ``alpha``; the two merge by their masses
+  as in Eq. 4 (:func:`fold_sliding_read`). Exact for a causal block: the local branch is an
+  explicit masked read over at most ``Ws + n_q - 1`` entries, the far branch one
+  ``fold.tree_attention`` call (its cache segment holds the entries far for every row, its
+  masked segment the ``n_q`` entries that turn far row by row), merged with ``fold.merge_states``.
+- ``rerope``: the same split, the older entries at distance ``D`` from every row, one softmax,
+  queries scaled as in the full layers.
+- ``cmr``: the native read over CMR's selection, renumbered (every layer reads the selection).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 import fold
 from fold._torch_backend import _rotate, fold_attention_torch
+from fold.attention import BACKENDS, MAX_ALPHA
 from fold.spec.retrieval import CMRRead, InfLLMRead
 
 BUILT = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
@@ -131,12 +152,7 @@ def yarn_rope(rope: fold.Rope, factor: float, reference_len: int, theta: float, 
 
 def rerope_read(q, k, v, *, rope, window, training_length=4096):
     """ReRoPE as the paper adapts it: window at true distances, older entries at distance D, one softmax."""
-    n_q = q.shape[1]
-    n = k.shape[1] - n_q
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    p = torch.arange(n, n + n_q, device=q.device, dtype=torch.float64)                  # true positions
-    q_scale = (torch.log(p + 1) / math.log(training_length)).clamp(min=1.0).to(work)     # [n_q]
-    q = (q.to(work) * q_scale[None, :, None, None]).to(q.dtype)
+    q = _rerope_scaled(q, k.shape[1] - q.shape[1], training_length)
     out, _ = fold_attention_torch(q, k, v, rope.inv_freq_on(q.device), None, window=window, alpha=1.0,
                                   softmax_scale=q.shape[-1] ** -0.5, rotary_dim=rope.rotary_dim,
                                   interleaved=rope.interleaved, attention_factor=rope.attention_factor,
@@ -144,14 +160,192 @@ def rerope_read(q, k, v, *, rope, window, training_length=4096):
     return out
 
 
-def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048, alpha: float = 2.0,
-              backend: str = "auto", sinks: int = 4, recent: int = 2044, reference_len: int = 4096,
-              rope_theta: float | None = None, training_length: int = 4096, infllm_block: int = 128,
-              infllm_init: int = 128, infllm_topk: int = 16, infllm_repr: int = 4, cmr_chunk: int = 32,
-              cmr_top: int = 64, cmr_every: int = 8):
-    """The read of ``policy``; ``request`` = dict(prompt_len, max_new_tokens, block_size) for YaRN."""
+def _rotate_rows(x, positions, rope, work):
+    # x [T, H, d] -> [H, T, d] rotated at positions [T] (float64 angles)
+    inv_freq = rope.inv_freq_on(x.device).double()
+    return _rotate(x.transpose(0, 1).to(work), positions.to(torch.float64), inv_freq, rope.rotary_dim,
+                   rope.interleaved, rope.attention_factor)
+
+
+def sliding_state(q, k, v, *, rope, sliding_window, causal):
+    """The native read of a sliding-window layer, as an attention state.
+
+    Row r (position ``p = n + r``) sees entry j iff ``p - j < sliding_window`` and, for a causal
+    layer, ``j <= p`` (else ``j - p < sliding_window``); every entry at its true position.
+    Returns ``(o [1, n_q, Hq, d] in q's dtype, lse [1, n_q, Hq])``, natural log, float32 (float64
+    for float64 input); ``lse`` is ``-inf`` for a row that sees nothing."""
+    _, n_q, heads_q, head_dim = q.shape
+    length, heads_kv = k.shape[1], k.shape[2]
+    n = length - n_q
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lo = max(0, n - sliding_window + 1)                                                 # oldest entry row 0 sees
+    j = torch.arange(lo, length, device=q.device)
+    r = torch.arange(n_q, device=q.device)
+    p = n + r
+    visible = (p[:, None] - j[None, :]) < sliding_window
+    visible &= (j[None, :] <= p[:, None]) if causal else ((j[None, :] - p[:, None]) < sliding_window)
+    ks = _rotate_rows(k[0, lo:], j - n, rope, work)                                      # relative to the block
+    qs = _rotate_rows(q[0], r, rope, work)
+    group = heads_q // heads_kv
+    s = torch.einsum("hrd,hjd->hrj", qs, ks.repeat_interleave(group, 0)) * head_dim ** -0.5
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                                     # [Hq, n_q]
+    prob = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    o = prob @ v[0, lo:].transpose(0, 1).to(work).repeat_interleave(group, 0)
+    return o.transpose(0, 1)[None].to(q.dtype), lse.transpose(0, 1)[None]
+
+
+def _outside_window_state(q_far, k, v, *, n, n_q, sliding_window, softmax_scale, backend):
+    """Attention of already-rotated queries ``q_far [1, n_q, Hq, d]`` over the context entries
+    outside each row's native window (``j <= n + r - sliding_window``), keys as stored.
+    ``None`` if no row has such an entry, else ``(o, lse)`` of ``fold.tree_attention``."""
+    first_mixed = n - sliding_window + 1              # row r reads j < first_mixed + r
+    if first_mixed + n_q - 1 <= 0:
+        return None
+    n_all = max(0, first_mixed)                                                         # far for every row
+    j = torch.arange(first_mixed, first_mixed + n_q, device=q_far.device)              # far from row i + 1 on
+    valid = (j >= 0) & (j < n)
+    jc = j.clamp(0, max(n - 1, 0))
+    k_mix = torch.where(valid[None, :, None, None], k[:, jc], 0.0)
+    v_mix = torch.where(valid[None, :, None, None], v[:, jc], 0.0)
+    r = torch.arange(n_q, device=q_far.device)
+    mask = (r[None, :] < r[:, None]) & valid[None, :]                                  # row r reads mixed entry i < r
+    cache_k, cache_v, seqlens = k[:, :max(n_all, 1)], v[:, :max(n_all, 1)], [n_all]
+    return fold.tree_attention(q_far, cache_k, cache_v, k_mix, v_mix, mask[None], cache_seqlens=seqlens,
+                               softmax_scale=softmax_scale, return_lse=True, backend=backend)
+
+
+def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto"):
+    """FOLD on a sliding-window layer: its native window is the local branch, and every context
+    entry outside it is far memory at distance ``D + r`` (``D = window + n_q``), read with
+    ``alpha`` and merged by the masses ``Z_N``, ``Z_F = (sum exp(alpha f)) ** (1 / alpha)`` (Eq. 4)."""
+    n_q, head_dim = q.shape[1], q.shape[-1]
+    n = k.shape[1] - n_q
+    o_local, lse_local = sliding_state(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_far = _rotate_rows(q[0], window + n_q + torch.arange(n_q, device=q.device), rope, work)
+    q_far = (q_far * rope.attention_factor).transpose(0, 1)[None].to(q.dtype)          # keys unrotated: R_0 k
+    far = _outside_window_state(q_far, k, v, n=n, n_q=n_q, sliding_window=sliding_window,
+                                softmax_scale=alpha * head_dim ** -0.5, backend=backend)
+    if far is None:                                                                     # nothing is far yet
+        return o_local
+    o, _ = fold.merge_states([o_local, far[0]], [lse_local, far[1] / alpha])
+    return o
+
+
+def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, training_length=4096, backend="auto"):
+    """ReRoPE on a sliding-window layer: the native window at true distances, every context entry
+    outside it at distance ``D`` from every row, one softmax, queries scaled by
+    ``max(1, log(p + 1) / log(training_length))``."""
+    n_q, head_dim = q.shape[1], q.shape[-1]
+    n = k.shape[1] - n_q
+    q = _rerope_scaled(q, n, training_length)
+    o_local, lse_local = sliding_state(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_far = _rotate_rows(q[0], torch.full((n_q,), window + n_q, device=q.device), rope, work)
+    q_far = (q_far * rope.attention_factor).transpose(0, 1)[None].to(q.dtype)
+    far = _outside_window_state(q_far, k, v, n=n, n_q=n_q, sliding_window=sliding_window,
+                                softmax_scale=head_dim ** -0.5, backend=backend)
+    if far is None:
+        return o_local
+    o, _ = fold.merge_states([o_local, far[0]], [lse_local, far[1]])
+    return o
+
+
+def _rerope_scaled(q, n, training_length):
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    p = torch.arange(n, n + q.shape[1], device=q.device, dtype=torch.float64)           # true positions
+    q_scale = (torch.log(p + 1) / math.log(training_length)).clamp(min=1.0).to(work)     # [n_q]
+    return (q.to(work) * q_scale[None, :, None, None]).to(q.dtype)
+
+
+class Read:
+    """A policy's read for one sequence: ``read(q, k, v, layer)`` for a full-attention layer and
+    ``read.sliding(q, k, v, layer, sliding_window=, causal=)`` for a sliding-window layer.
+
+    ``full`` is the full-layer read; ``sliding`` the sliding-layer rule, by default the layer's
+    native read (:func:`sliding_state`). ``after_verify`` is forwarded when ``full`` has one (CMR).
+    """
+
+    def __init__(self, full, sliding=None, rope=None):
+        self.full = full
+        self._sliding = sliding
+        self.rope = rope
+        if hasattr(full, "after_verify"):
+            self.after_verify = full.after_verify
+
+    def __call__(self, q, k, v, layer):
+        return self.full(q, k, v, layer)
+
+    def sliding(self, q, k, v, layer, *, sliding_window, causal):
+        if self._sliding is not None:
+            return self._sliding(q, k, v, layer, sliding_window=sliding_window, causal=causal)
+        return sliding_state(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal)[0]
+
+
+OPTIONS = dict(window=2048, alpha=2.0, backend="auto", sinks=4, recent=2044, reference_len=4096, rope_theta=None,
+               training_length=4096, infllm_block=128, infllm_init=128, infllm_topk=16, infllm_repr=4,
+               cmr_chunk=32, cmr_top=64, cmr_every=8)
+_MINIMUM = dict(window=0, sinks=0, recent=0, reference_len=1, training_length=2, infllm_block=1, infllm_init=0,
+                infllm_topk=0, infllm_repr=1, cmr_chunk=1, cmr_top=1, cmr_every=1)
+
+
+def validate_options(options: dict) -> dict:
+    """Every policy option checked by name against its range; returns them with the defaults filled in."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown policy options {unknown}; known: {sorted(OPTIONS)}")
+    out = {**OPTIONS, **options}
+    for name, low in _MINIMUM.items():
+        value = out[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+        if value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value}")
+        out[name] = int(value)
+    alpha = out["alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"alpha must be a real number in [1, {MAX_ALPHA:g}], got {alpha!r}")
+    if not (math.isfinite(alpha) and 1 <= alpha <= MAX_ALPHA):
+        raise ValueError(f"alpha must be finite and in [1, {MAX_ALPHA:g}], got {alpha}")
+    if out["backend"] not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {out['backend']!r}")
+    theta = out["rope_theta"]
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, numbers.Real)
+                              or not (math.isfinite(theta) and theta > 1)):
+        raise ValueError(f"rope_theta must be None or a finite number > 1, got {theta!r}")
+    return out
+
+
+def _check_request(request) -> None:
+    if not isinstance(request, dict) or not {"prompt_len", "max_new_tokens", "block_size"} <= set(request):
+        raise ValueError(f"request must be dict(prompt_len=, max_new_tokens=, block_size=), got {request!r}")
+    for name in ("prompt_len", "max_new_tokens", "block_size"):
+        value = request[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"request[{name!r}] must be a positive int, got {value!r}")
+
+
+def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **options) -> Read:
+    """The read of ``policy`` for one sequence (see the module docstring for each policy's rule).
+
+    ``request`` = dict(prompt_len, max_new_tokens, block_size): YaRN's per-request factor needs it.
+    ``options`` (checked by name and range before any work; defaults in :data:`OPTIONS`):
+    ``window`` (int >= 0), ``alpha`` ([1, 1e4]), ``backend`` ("auto", "torch", "triton"), ``sinks``
+    (>= 0), ``recent`` (>= 0), ``reference_len`` (>= 1), ``rope_theta`` (None or > 1),
+    ``training_length`` (>= 2), ``infllm_block`` (>= 1), ``infllm_init`` (>= 0), ``infllm_topk``
+    (>= 0), ``infllm_repr`` (>= 1), ``cmr_chunk``, ``cmr_top``, ``cmr_every`` (>= 1).
+    """
+    if policy not in BUILT + PLANNED:
+        raise ValueError(f"policy must be one of {BUILT + PLANNED}, got {policy!r}")
+    if policy in PLANNED:
+        raise ValueError(f"policy {policy!r} is not built yet; built: {BUILT}")
+    if not isinstance(rope, fold.Rope):
+        raise TypeError(f"rope must be a fold.Rope, got {type(rope).__name__}")
+    o = validate_options(options)
+    window, alpha, backend = o["window"], float(o["alpha"]), o["backend"]
     if policy == "dflash":
-        return CachedPlainRead(rope)
+        return Read(CachedPlainRead(rope), rope=rope)
     if policy == "fold":
         short = CachedPlainRead(rope)
 
@@ -159,25 +353,40 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict, window: int = 2048
             if k.shape[1] - q.shape[1] <= window:          # length dispatch: nothing is far yet
                 return short(q, k, v, layer)
             return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
-        return read
+
+        def sliding(q, k, v, layer, *, sliding_window, causal):
+            return fold_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal, window=window,
+                                     alpha=alpha, backend=backend)
+        return Read(read, sliding, rope=rope)
     if policy == "window":
-        return lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=window)
+        return Read(lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=window), rope=rope)
     if policy == "streaming":
-        return lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=sinks, recent=recent, backend=backend)
+        return Read(lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"],
+                                                          backend=backend), rope=rope)
     if policy == "yarn":
-        factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"], reference_len)
-        if rope_theta is None and rope.inv_freq.numel() < 2:
+        _check_request(request)
+        factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"],
+                             o["reference_len"])
+        if o["rope_theta"] is None and rope.inv_freq.numel() < 2:
             raise ValueError("yarn needs rope_theta=... for a rotary_dim of 2 (it cannot be read off inv_freq)")
         # inv_freq[i] = theta ** (-2i / rotary_dim), so theta = inv_freq[1] ** (-rotary_dim / 2)
-        theta = rope_theta if rope_theta is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
-        return CachedPlainRead(yarn_rope(rope, factor, reference_len, theta))
+        theta = o["rope_theta"] if o["rope_theta"] is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
+        return Read(CachedPlainRead(yarn_rope(rope, factor, o["reference_len"], theta)), rope=rope)
     if policy == "rerope":
-        return lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window, training_length=training_length)
+        training_length = o["training_length"]
+
+        def sliding(q, k, v, layer, *, sliding_window, causal):
+            return rerope_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal,
+                                       window=window, training_length=training_length, backend=backend)
+        return Read(lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window,
+                                                       training_length=training_length), sliding, rope=rope)
     if policy == "infllm":
-        return InfLLMRead(rope, window=window, block=infllm_block, init=infllm_init, topk=infllm_topk,
-                          repr_topk=infllm_repr)
-    if policy == "cmr":
-        return CMRRead(rope, chunk=cmr_chunk, top=cmr_top, every=cmr_every, backend=backend)
-    if policy in PLANNED:
-        raise ValueError(f"policy {policy!r} is not built yet; built: {BUILT}")
-    raise ValueError(f"policy must be one of {BUILT + PLANNED}, got {policy!r}")
+        return Read(InfLLMRead(rope, window=window, block=o["infllm_block"], init=o["infllm_init"],
+                               topk=o["infllm_topk"], repr_topk=o["infllm_repr"]), rope=rope)
+    cmr = CMRRead(rope, chunk=o["cmr_chunk"], top=o["cmr_top"], every=o["cmr_every"], backend=backend)
+
+    def sliding(q, k, v, layer, *, sliding_window, causal):
+        n = k.shape[1] - q.shape[1]
+        keep = torch.cat([cmr.entries(n).to(k.device), torch.arange(n, k.shape[1], device=k.device)])
+        return sliding_state(q, k[:, keep], v[:, keep], rope=rope, sliding_window=sliding_window, causal=causal)[0]
+    return Read(cmr, sliding, rope=rope)

@@ -155,27 +155,17 @@ def target_attention_weights(target, hidden_states, cache, committed: int, row: 
     """Softmax weights of the query at position ``committed - 1`` over keys ``[0, committed)`` in the
     target's last full-attention layer, averaged over heads -> ``[committed]``.
 
-    A target whose attention is not Llama-shaped can provide the same scores as
+    The query is the layer's own (its norms, gate split, partial RoPE: ``_hf.attention_query``); a
+    target outside transformers' ``AttentionInterface`` can provide the same scores as
     ``target.fold_attention_weights(hidden_states, cache, committed, row)`` (the demo's toy does).
     """
     if hasattr(target, "fold_attention_weights"):
         return target.fold_attention_weights(hidden_states, cache, committed, row)
-    layers = target.model.layers
-    types = getattr(target.config, "layer_types", None) or ["full_attention"] * len(layers)
+    types = getattr(target.config, "layer_types", None) or ["full_attention"] * len(_hf.decoder_layers(target))
     index = max(i for i, t in enumerate(types) if t == "full_attention")
-    layer = layers[index]
-    attn = layer.self_attn
-    x = layer.input_layernorm(hidden_states[index][:, row:row + 1])                 # input of that layer
-    head_dim = attn.head_dim
-    q = attn.q_proj(x).view(1, 1, -1, head_dim)
-    if hasattr(attn, "q_norm"):
-        q = attn.q_norm(q)
-    q = q.transpose(1, 2)                                                           # [1, Hq, 1, d]
-    cos, sin = target.model.rotary_emb(q, torch.tensor([[committed - 1]], device=q.device))
-    half = q.shape[-1] // 2
-    rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
-    q = q * cos[:, None] + rotated * sin[:, None]
+    q, scaling = _hf.attention_query(target, index, hidden_states[index][:, row:row + 1],
+                                     torch.tensor([committed - 1]))                     # [1, Hq, 1, d]
     keys = _hf.layer_keys(cache, index)[:, :, :committed]                            # [1, Hkv, t, d]
     keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-    weights = torch.softmax((q @ keys.transpose(-1, -2)).float() * attn.scaling, dim=-1)
+    weights = torch.softmax((q @ keys.transpose(-1, -2)).float() * scaling, dim=-1)
     return weights[0, :, 0].mean(dim=0)
