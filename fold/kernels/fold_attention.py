@@ -1,24 +1,38 @@
 """Fused FOLD attention in Triton: configs -> jit kernels -> launcher.
 
-Stage 1 is one launch over ``(batch * heads_kv * m_tiles, num_splits)`` programs. A program owns
-``BLOCK_M`` rows (draft row x GQA head, packed so each KV tile is loaded once per KV head) and one
-contiguous split of the KV axis, and writes two partial states per row: the window's and the far
-memory's. Stage 2 merges the window splits as they are, the far splits in alpha-space (their LSE is
-``LSE(alpha * logits)``), divides the far LSE by alpha and merges the two branches.
+Three launches:
+
+- **prologue** (one program per KV head and row tile): each branch's query, rotated at its position
+  and scaled by ``softmax_scale * log2(e)`` (and ``alpha`` for the far branch), written once in the
+  cache's dtype; and the cos/sin of ``i * inv_freq`` for the ``BLOCK_N`` offsets ``i`` of a key tile.
+- **stage 1**, over ``(batch * heads_kv * m_tiles, num_splits)`` programs: a program owns
+  ``BLOCK_M`` rows (draft row x GQA head, so each KV tile is loaded once per KV head) and a
+  contiguous, ``BLOCK_N``-aligned share of the sequence's tiles, and writes one partial state per
+  branch. Each KV tile is one ``[BLOCK_N, D]`` V load and one full-width QK dot.
+- **stage 2**, one program per output row: merges the window splits as they are and the far splits
+  in alpha-space (their LSE is ``LSE(alpha * logits)``), divides the far LSE by alpha and merges the
+  two branches.
 
 Per sequence (``L`` entries, ``n = L - n_q``, ``D = W + n_q``, ``win_lo = n - D + 1``) row ``r``
 reads ``j < win_lo + r`` as far memory and ``j >= win_lo + r`` as window. A split runs one loop per
 branch over the part of its range that branch can touch (far: ``j < n - W``; window:
 ``j >= win_lo``), so only ``n_q - 1`` entries are read twice and one accumulator is live at a time.
+The far loop is a plain flash-decoding loop without masks up to its last tile below ``win_lo``;
+the masked tail (at most two tiles) and the window loop (at most ``W + 2 n_q`` entries) mask rows.
+A branch with nothing in a split stores only its LSE (``-inf``); stage 2 never loads the ``o`` of
+a state whose weight is zero.
 
-Rotations happen in registers from ``position * inv_freq`` in fp32. With unrotated keys the window
-rotates q and k relative to the block's start ``n`` (only differences of positions matter, and the
-small angles stay exact in fp32 at any context length) and the far branch reads keys as they are; with rotated keys
-the window reads keys as they are and the far branch rotates them back by ``-j``.
+Exactly one branch rotates keys: the window with an unrotated cache (``R_j k``), the far memory
+with a rotated one (``R_{-j} R_j k``). Such a branch loads the key tile as its two rotary halves
+(``[BLOCK_N, D/2]`` each; pass-through dimensions are pairs of frequency 0), rotates them with
+``cos/sin((t0 + i) f) = cos/sin(t0 f) (x) cos/sin(i f)`` (``t0 f`` per tile, ``i f`` from the
+prologue's table) and joins them into one ``[BLOCK_N, D]`` tile in the pair order ``[a | b]``; its
+query is written in that order by the prologue. Every angle is reduced exactly in float64 before a
+float32 polynomial (:func:`_cos_sin`): no ``sin``/``cos`` library call, so no slow path with a
+local array, and both key layouts see exact angles at any context length.
 
 Partial LSEs are base 2 (logits carry ``log2(e)``); stage 2 converts to natural log once, at the
-output. An empty split or branch is the state ``(0, -inf)``; stage 2 never loads the ``o`` of a
-state whose weight is zero.
+output. An empty split or branch is the state ``(0, -inf)``.
 """
 
 from __future__ import annotations
@@ -51,6 +65,11 @@ class FoldConfig:
         return dict(block_m=self.block_m, block_n=self.block_n, num_splits=self.num_splits,
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
+    @property
+    def tile(self) -> tuple[int, int, int, int]:
+        """The part a tuned cache stores: ``(block_m, block_n, num_warps, num_stages)``."""
+        return (self.block_m, self.block_n, self.num_warps, self.num_stages)
+
 
 # The declared space the tuner sweeps. M tiles above 128 rows spill registers on every GPU we know;
 # splits beyond 128 only add merge traffic (FA2/FA3 cap at 128/256 for far larger grids).
@@ -61,6 +80,10 @@ SPACE = dict(
     num_warps=(2, 4, 8),
     num_stages=(1, 2, 3, 4),
 )
+TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+# The branch that rotates keys holds its key tile, the tile's cos/sin and the rotated tile at once:
+# it reads tiles of at most this many entries (registers, see tuning/static_report.py).
+ROT_BLOCK_N = 32
 
 
 def keep(config: FoldConfig, rows: int, head_dim: int) -> bool:
@@ -79,22 +102,121 @@ def config_space(rows: int, head_dim: int) -> list[FoldConfig]:
 
 
 @triton.jit
-def _rotate(xa, xb, pos, inv_freq):
-    # xa, xb: [R, HALF_P] the two halves of each rotary pair; pos: [R] fp32; inv_freq: [HALF_P]
-    angle = pos[:, None] * inv_freq[None, :]
-    c = tl.cos(angle)
-    s = tl.sin(angle)
-    return xa * c - xb * s, xb * c + xa * s
+def _cos_sin(pos, freq):
+    # cos, sin (fp32) of pos * freq for int pos and fp32 freq (broadcastable): the product is exact
+    # in fp64 (|pos| < 2^29, freq has 24 bits), reduced by pi/2 in fp64, then Cephes' sinf/cosf
+    # polynomials on |r| <= pi/4 and the quadrant's symmetry
+    x = tl.cast(pos, tl.float64) * freq.to(tl.float64)
+    k = tl.floor(x * 0.6366197723675814 + 0.5)
+    r = ((x - k * 1.5707963267948966) - k * 6.123233995736766e-17).to(tl.float32)
+    quadrant = k.to(tl.int32) & 3
+    z = r * r
+    sin_r = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
+    cos_r = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
+    odd = (quadrant & 1) == 1
+    s = tl.where(odd, cos_r, sin_r)
+    c = tl.where(odd, sin_r, cos_r)
+    s = tl.where(quadrant >= 2, -s, s)
+    c = tl.where((quadrant == 1) | (quadrant == 2), -c, c)
+    return c, s
 
 
 @triton.jit
-def _logits(qa, qb, qp, ka, kb, kp, HAS_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # [BM, HALF_P] @ [HALF_P, BN] (+ the pass-through dims) -> [BM, BN]
-    s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PRECISION)
-    s += tl.dot(qb, tl.trans(kb), input_precision=DOT_PRECISION)
-    if HAS_PASS:
-        s += tl.dot(qp, tl.trans(kp), input_precision=DOT_PRECISION)
-    return s
+def _pair_columns(ROT_HALF: tl.constexpr, PASS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_P: tl.constexpr,
+                  INTERLEAVED: tl.constexpr):
+    # head-dim columns of the two halves of each pair slot c < HALF_P: rotary pairs first, then the
+    # pass-through dims paired up (frequency 0); returns (col_a, col_b, m_a, m_b, is_rot) [HALF_P]
+    o_c = tl.arange(0, HALF_P)
+    PASS_HALF: tl.constexpr = (PASS + 1) // 2
+    if INTERLEAVED:
+        rot_a = 2 * o_c
+        rot_b = 2 * o_c + 1
+    else:
+        rot_a = o_c
+        rot_b = o_c + ROT_HALF
+    if PASS == 0:
+        col_a = rot_a
+        col_b = rot_b
+    else:
+        o_p = o_c - ROT_HALF
+        col_a = tl.where(o_c < ROT_HALF, rot_a, 2 * ROT_HALF + o_p)
+        col_b = tl.where(o_c < ROT_HALF, rot_b, 2 * ROT_HALF + PASS_HALF + o_p)
+    m_a = (o_c < ROT_HALF + PASS_HALF) & (col_a < HEAD_DIM)
+    m_b = (o_c < ROT_HALF + PASS_HALF) & (col_b < HEAD_DIM)
+    return col_a, col_b, m_a, m_b, o_c < ROT_HALF
+
+
+@triton.jit
+def _rotate_store(p_out, qa, qb, pos, freq, scale, col_a, col_b, m_a, m_b, m_row, m_store,
+                  PAIR_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # qa, qb: [BM, HALF_P] the pair halves; writes R_pos q * scale as one [BM, BLOCK_D] row block
+    HALF_P: tl.constexpr = BLOCK_D // 2
+    c, s = _cos_sin(pos, freq)
+    ra = (qa * c - qb * s) * scale
+    rb = (qb * c + qa * s) * scale
+    dtype = p_out.dtype.element_ty
+    o_c = tl.arange(0, HALF_P)
+    if PAIR_ORDER:
+        tl.store(p_out + o_c[None, :], ra.to(dtype), mask=m_store)
+        tl.store(p_out + HALF_P + o_c[None, :], rb.to(dtype), mask=m_store)
+    else:
+        tl.store(p_out + col_a[None, :], ra.to(dtype), mask=m_row[:, None] & m_a[None, :])
+        tl.store(p_out + col_b[None, :], rb.to(dtype), mask=m_row[:, None] & m_b[None, :])
+        if BLOCK_D > HEAD_DIM:  # padding columns of a natural-order row
+            o_d = tl.arange(0, BLOCK_D)
+            tl.store(p_out + o_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], dtype),
+                     mask=m_row[:, None] & (o_d >= HEAD_DIM)[None, :])
+
+
+@triton.jit
+def fold_fwd_kernel_prologue(
+    Q, InvFreq, SeqLens, QW, QF, Trig,
+    stride_qb, stride_qn, stride_qh,
+    stride_wb, stride_wh, stride_wm,
+    heads_kv, max_len, window, q_rot_scale, scale_window, scale_far,
+    N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, ROT_BLOCK_N: tl.constexpr,
+):
+    # QW, QF: [B, Hkv, N_Q * GROUP, BLOCK_D] in the branch's column order (natural for a branch that
+    # reads keys as they are, pair order [a | b] for the branch that rotates keys); Trig: [2, BLOCK_N, HALF_P]
+    HALF_P: tl.constexpr = BLOCK_D // 2
+    i_bhm = tl.program_id(0)
+    i_b = (i_bhm // (heads_kv * M_TILES)).to(tl.int64)
+    i_kvh = ((i_bhm // M_TILES) % heads_kv).to(tl.int64)
+    i_mt = i_bhm % M_TILES
+    o_m = i_mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_row = o_m < N_Q * GROUP
+    o_r = o_m // GROUP
+    i_hq = i_kvh * GROUP + (o_m % GROUP)
+    col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
+    freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)         # [HALF_P], 0 for pass-through
+    o_c = tl.arange(0, HALF_P)
+
+    if i_bhm == 0:  # cos/sin of i * f for the offsets i of a key tile
+        cos_i, sin_i = _cos_sin(tl.arange(0, ROT_BLOCK_N)[:, None], freq[None, :])   # [ROT_BLOCK_N, HALF_P]
+        p_t = Trig + tl.arange(0, ROT_BLOCK_N)[:, None] * HALF_P + o_c[None, :]
+        tl.store(p_t, cos_i)
+        tl.store(p_t + ROT_BLOCK_N * HALF_P, sin_i)
+
+    if HAS_SEQLENS:
+        seq_len = tl.load(SeqLens + i_b).to(tl.int32)
+    else:
+        seq_len = max_len
+    p_q = Q + i_b * stride_qb + o_r[:, None] * stride_qn + i_hq[:, None] * stride_qh
+    qa = tl.load(p_q + col_a[None, :], mask=m_row[:, None] & m_a[None, :], other=0.0).to(tl.float32)
+    qb = tl.load(p_q + col_b[None, :], mask=m_row[:, None] & m_b[None, :], other=0.0).to(tl.float32)
+    pair_scale = tl.where(is_rot, q_rot_scale, 1.0)[None, :]
+    qa *= pair_scale
+    qb *= pair_scale
+    m_store = m_row[:, None] & (o_c < HALF_P)[None, :]
+    p_w = QW + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
+    p_f = QF + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
+    # window at the true positions n + r; far memory at the shared distance D + r
+    _rotate_store(p_w, qa, qb, (seq_len - N_Q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
+                  m_row, m_store, PAIR_ORDER=not KEYS_ROTATED, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+    _rotate_store(p_f, qa, qb, (window + N_Q + o_r)[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
+                  m_row, m_store, PAIR_ORDER=KEYS_ROTATED, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
@@ -110,6 +232,70 @@ def _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(p, m_n, m_col, MASK_N: tl.constexpr, MASK_COL: tl.constexpr, UPCAST: tl.constexpr):
+    # one [BN, C] tile; masks only where the tile can cross the sequence end or padded columns
+    if MASK_N:
+        if MASK_COL:
+            x = tl.load(p, mask=m_n[:, None] & m_col[None, :], other=0.0)
+        else:
+            x = tl.load(p, mask=m_n[:, None], other=0.0)
+    elif MASK_COL:
+        x = tl.load(p, mask=m_col[None, :], other=0.0)
+    else:
+        x = tl.load(p)
+    if UPCAST:  # the interpreter's bf16 arithmetic is broken; casts are exact
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_d, m_d,
+            col_a, col_b, m_a, m_b, freq, Trig,
+            MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr, SIGN: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, EVEN_PAIRS: tl.constexpr,
+            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] scaled, in the key
+    # tile's column order; o_ws [BM]: the row's first window entry. Unmasked (MASKED=False) only where
+    # every entry of every tile is valid and in this branch for every row.
+    HALF_P: tl.constexpr = BLOCK_D // 2
+    o_i = tl.arange(0, BLOCK_N)
+    if ROTATE:
+        o_c = tl.arange(0, HALF_P)
+        p_trig = Trig + o_i[:, None] * HALF_P + o_c[None, :]
+    for t0 in range(lo, hi, BLOCK_N):
+        o_n = t0 + o_i
+        m_n = o_n < hi
+        p_v = p_v0 + o_n[:, None].to(tl.int64) * stride_vn + o_d[None, :]
+        if ROTATE:
+            p_k = p_k0 + o_n[:, None].to(tl.int64) * stride_kn
+            ka = _load_rows(p_k + col_a[None, :], m_n, m_a, MASKED, not EVEN_PAIRS, UPCAST).to(tl.float32)
+            kb = _load_rows(p_k + col_b[None, :], m_n, m_b, MASKED, not EVEN_PAIRS, UPCAST).to(tl.float32)
+            # cos/sin((t0 + i) f) from cos/sin(t0 f) [HALF_P] and the table of cos/sin(i f) [BN, HALF_P]
+            cos_t, sin_t = _cos_sin(t0, freq)
+            cos_i = tl.load(p_trig)
+            sin_i = tl.load(p_trig + BLOCK_N * HALF_P)
+            c = cos_t[None, :] * cos_i - sin_t[None, :] * sin_i
+            s = (sin_t[None, :] * cos_i + cos_t[None, :] * sin_i) * SIGN
+            ra = ka * c - kb * s
+            rb = kb * c + ka * s
+            k = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_N, BLOCK_D)).to(q.dtype)  # [a | b]
+        else:
+            k = _load_rows(p_k0 + o_n[:, None].to(tl.int64) * stride_kn + o_d[None, :], m_n, m_d, MASKED,
+                           not EVEN_D, UPCAST)
+        v = _load_rows(p_v, m_n, m_d, MASKED, not EVEN_D, UPCAST)
+        # [BM, BLOCK_D] @ [BLOCK_D, BN] -> [BM, BN], base-2 logits
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            if IS_WINDOW:
+                m_s = m_n[None, :] & (o_n[None, :] >= o_ws[:, None])
+            else:
+                m_s = m_n[None, :] & (o_n[None, :] < o_ws[:, None])
+            s = tl.where(m_s, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -117,39 +303,25 @@ def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
     tl.store(p_lse, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=m_row)
 
 
-@triton.jit
-def _load_kv(p_k0, p_v0, stride_kn, stride_vn, o_n, m_n, d_a, d_b, d_p, m_half, m_pass, o_d, m_d,
-             UPCAST: tl.constexpr):
-    # one KV tile: the two rotary halves [BN, HALF_P], the pass-through dims [BN, PASS_P], v [BN, BLOCK_D]
-    p_k = p_k0 + o_n[:, None].to(tl.int64) * stride_kn
-    ka = tl.load(p_k + d_a[None, :], mask=m_n[:, None] & m_half[None, :], other=0.0)
-    kb = tl.load(p_k + d_b[None, :], mask=m_n[:, None] & m_half[None, :], other=0.0)
-    kp = tl.load(p_k + d_p[None, :], mask=m_n[:, None] & m_pass[None, :], other=0.0)
-    v = tl.load(p_v0 + o_n[:, None].to(tl.int64) * stride_vn + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
-    if UPCAST:  # the interpreter's bf16 arithmetic is broken; casts are exact
-        ka = ka.to(tl.float32)
-        kb = kb.to(tl.float32)
-        kp = kp.to(tl.float32)
-        v = v.to(tl.float32)
-    return ka, kb, kp, v
-
-
 @triton.jit(do_not_specialize=["max_len", "window", "num_splits"])
 def fold_fwd_kernel_stage1(
-    Q, K, V, InvFreq, SeqLens, OPart, LsePart,
-    stride_qb, stride_qn, stride_qh,
+    QW, QF, K, V, InvFreq, Trig, SeqLens, OPart, LsePart,
+    stride_wb, stride_wh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_oh, stride_or, stride_obr, stride_os,
     stride_lb, stride_lh, stride_lr, stride_lbr,
-    heads_kv, max_len, window, num_splits, q_rot_scale, scale_window, scale_far,
+    heads_kv, max_len, window, num_splits,
     N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROT_HALF: tl.constexpr, HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr,
-    INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROT_BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    HAS_PASS: tl.constexpr = PASS > 0
+    HALF_P: tl.constexpr = BLOCK_D // 2
+    FAR_BLOCK_N: tl.constexpr = ROT_BLOCK_N if KEYS_ROTATED else BLOCK_N
+    WIN_BLOCK_N: tl.constexpr = BLOCK_N if KEYS_ROTATED else ROT_BLOCK_N
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
     i_bhm = tl.program_id(0)
     i_split = tl.program_id(1)
     i_b = (i_bhm // (heads_kv * M_TILES)).to(tl.int64)
@@ -161,118 +333,66 @@ def fold_fwd_kernel_stage1(
     m_row = o_m < N_Q * GROUP
     o_r = o_m // GROUP
     i_hq = i_kvh * GROUP + (o_m % GROUP)
-
-    # head-dim offsets: the two halves of each rotary pair, the pass-through dims, the full row
-    o_half = tl.arange(0, HALF_P)
-    m_half = o_half < ROT_HALF
-    if INTERLEAVED:
-        d_a = 2 * o_half
-        d_b = 2 * o_half + 1
-    else:
-        d_a = o_half
-        d_b = o_half + ROT_HALF
-    d_p = 2 * ROT_HALF + tl.arange(0, PASS_P)
-    m_pass = tl.arange(0, PASS_P) < PASS
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    inv_freq = tl.load(InvFreq + o_half, mask=m_half, other=0.0)
+    col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
 
     if HAS_SEQLENS:
         seq_len = tl.load(SeqLens + i_b).to(tl.int32)
     else:
         seq_len = max_len
     n_ctx = seq_len - N_Q
-    d_pos = window + N_Q
-    win_lo = n_ctx - d_pos + 1              # row r's window starts at win_lo + r
+    win_lo = n_ctx - window - N_Q + 1       # row r's window starts at win_lo + r
     far_hi = n_ctx - window                 # entries < far_hi are far for at least one row
     o_ws = win_lo + o_r                     # [BM]
 
-    # queries: rotate in fp32, fold scale * log2(e) (and alpha for the far branch) into them
-    p_q = Q + i_b * stride_qb + o_r[:, None] * stride_qn + i_hq[:, None] * stride_qh
-    m_qh = m_row[:, None] & m_half[None, :]
-    qa = tl.load(p_q + d_a[None, :], mask=m_qh, other=0.0).to(tl.float32)
-    qb = tl.load(p_q + d_b[None, :], mask=m_qh, other=0.0).to(tl.float32)
-    qp = tl.load(p_q + d_p[None, :], mask=m_row[:, None] & m_pass[None, :], other=0.0).to(tl.float32)
-    if KEYS_ROTATED:
-        pos_qw = (n_ctx + o_r).to(tl.float32)
-    else:
-        pos_qw = o_r.to(tl.float32)
-    qwa, qwb = _rotate(qa, qb, pos_qw, inv_freq)
-    qfa, qfb = _rotate(qa, qb, (d_pos + o_r).to(tl.float32), inv_freq)
-    qwa *= q_rot_scale * scale_window
-    qwb *= q_rot_scale * scale_window
-    qfa *= q_rot_scale * scale_far
-    qfb *= q_rot_scale * scale_far
-    qwp = qp * scale_window
-    qfp = qp * scale_far
-    if not UPCAST:
-        qwa = qwa.to(K.dtype.element_ty)
-        qwb = qwb.to(K.dtype.element_ty)
-        qwp = qwp.to(K.dtype.element_ty)
-        qfa = qfa.to(K.dtype.element_ty)
-        qfb = qfb.to(K.dtype.element_ty)
-        qfp = qfp.to(K.dtype.element_ty)
-
-    # this split's KV range, in BLOCK_N-aligned chunks
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = i_split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    # this split's share of the sequence's tiles: balanced to one tile, aligned to BLOCK_N
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    start = (i_split * n_tiles // num_splits) * BLOCK_N
+    end = tl.minimum(((i_split + 1) * n_tiles // num_splits) * BLOCK_N, seq_len)
     p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
     p_v0 = V + i_b * stride_vb + i_kvh * stride_vh
+    p_q = i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm + o_d[None, :]
     p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or
            + i_split * stride_os + o_d[None, :])
     p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + o_r * stride_lr + i_split
-    m_store = m_row[:, None] & m_d[None, :]
 
-    # far memory: j < win_lo + r, read at the shared position (one state live at a time)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    far_end = tl.minimum(end, tl.maximum(far_hi, 0))
-    for t0 in range(start, far_end, BLOCK_N):
-        o_n = t0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < far_end
-        ka, kb, kp, v = _load_kv(p_k0, p_v0, stride_kn, stride_vn, o_n, m_n, d_a, d_b, d_p, m_half, m_pass, o_d, m_d, UPCAST)
-        if KEYS_ROTATED:
-            ka32, kb32 = _rotate(ka.to(tl.float32), kb.to(tl.float32), -o_n.to(tl.float32), inv_freq)
-            ka = ka32.to(kp.dtype)
-            kb = kb32.to(kp.dtype)
-        s = _logits(qfa, qfb, qfp, ka, kb, kp, HAS_PASS, DOT_PRECISION)
-        s = tl.where(m_n[None, :] & (o_n[None, :] < o_ws[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
-    _store_state(p_o + stride_obr, p_l + stride_lbr, m_i, l_i, acc, m_store, m_row)
+    # far memory: j < win_lo + r, at the shared position; unmasked up to the last tile below win_lo
+    far_end = tl.minimum(end, far_hi)
+    if far_end > start:
+        freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)
+        q = tl.load(QF + p_q, mask=m_row[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        main_end = start + tl.maximum(tl.minimum(far_end, win_lo) - start, 0) // FAR_BLOCK_N * FAR_BLOCK_N
+        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, start, main_end, o_ws, o_d, m_d,
+                                col_a, col_b, m_a, m_b, freq, Trig, MASKED=False, IS_WINDOW=False,
+                                ROTATE=KEYS_ROTATED, SIGN=-1.0, BLOCK_N=FAR_BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
+                                EVEN_PAIRS=EVEN_PAIRS, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
+        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, main_end, far_end, o_ws, o_d,
+                                m_d, col_a, col_b, m_a, m_b, freq, Trig, MASKED=True, IS_WINDOW=False,
+                                ROTATE=KEYS_ROTATED, SIGN=-1.0, BLOCK_N=FAR_BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
+                                EVEN_PAIRS=EVEN_PAIRS, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
+        _store_state(p_o + stride_obr, p_l + stride_lbr, m_i, l_i, acc, m_row[:, None] & m_d[None, :], m_row)
+    else:
+        tl.store(p_l + stride_lbr, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_row)
 
-    # window: j >= win_lo + r, exact positions (always written; an empty split writes (0, -inf))
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for t0 in range(tl.maximum(start, tl.maximum(win_lo, 0)), end, BLOCK_N):
-        o_n = t0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < end
-        ka, kb, kp, v = _load_kv(p_k0, p_v0, stride_kn, stride_vn, o_n, m_n, d_a, d_b, d_p, m_half, m_pass, o_d, m_d, UPCAST)
-        if not KEYS_ROTATED:
-            ka32, kb32 = _rotate(ka.to(tl.float32), kb.to(tl.float32), (o_n - n_ctx).to(tl.float32), inv_freq)
-            ka = ka32.to(kp.dtype)
-            kb = kb32.to(kp.dtype)
-        s = _logits(qwa, qwb, qwp, ka, kb, kp, HAS_PASS, DOT_PRECISION)
-        s = tl.where(m_n[None, :] & (o_n[None, :] >= o_ws[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
-    _store_state(p_o, p_l, m_i, l_i, acc, m_store, m_row)
-
-
-@triton.jit
-def _merge_splits(p_o, p_lse, stride_os, o_s, m_s, o_d, m_d):
-    # merge one row's split states (base-2 LSE) -> (o [BLOCK_D], lse2)
-    lse = tl.load(p_lse + o_s, mask=m_s, other=float("-inf"))      # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)                                         # 0 for empty states
-    o = tl.load(p_o + o_s[:, None] * stride_os + o_d[None, :],       # [BLOCK_S, BLOCK_D]
-                mask=(w > 0.0)[:, None] & m_d[None, :], other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
-    lse_out = tl.where(total > 0.0, m_safe + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-    return o, lse_out
+    # window: j >= win_lo + r, at the true positions
+    win_start = tl.maximum(start, tl.maximum(win_lo, 0) // WIN_BLOCK_N * WIN_BLOCK_N)
+    if end > win_start:
+        freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)
+        q = tl.load(QW + p_q, mask=m_row[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, win_start, end, o_ws, o_d, m_d,
+                                col_a, col_b, m_a, m_b, freq, Trig, MASKED=True, IS_WINDOW=True,
+                                ROTATE=not KEYS_ROTATED, SIGN=1.0, BLOCK_N=WIN_BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
+                                EVEN_PAIRS=EVEN_PAIRS, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
+        _store_state(p_o, p_l, m_i, l_i, acc, m_row[:, None] & m_d[None, :], m_row)
+    else:
+        tl.store(p_l, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_row)
 
 
 @triton.jit
@@ -286,27 +406,43 @@ def fold_fwd_kernel_stage2(
     N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
+    # one row: both branches' split states as one [2 * BLOCK_S] vector and one [2 * BLOCK_S, BLOCK_D] tile
     pid = tl.program_id(0)
     i_b = (pid // (heads_q * N_Q)).to(tl.int64)
     i_hq = ((pid // N_Q) % heads_q).to(tl.int64)
     i_r = (pid % N_Q).to(tl.int64)
-    o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < num_splits
+    o_x = tl.arange(0, 2 * BLOCK_S)
+    o_s = o_x % BLOCK_S
+    is_far = o_x >= BLOCK_S
+    m_x = o_s < num_splits
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
 
-    p_o = OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or
-    p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + i_r * stride_lr
-    o_w, lse_w = _merge_splits(p_o, p_l, stride_os, o_s, m_s, o_d, m_d)
-    o_f, lse_f_alpha = _merge_splits(p_o + stride_obr, p_l + stride_lbr, stride_os, o_s, m_s, o_d, m_d)
-    lse_f = lse_f_alpha * inv_alpha                                   # log2 Z_F = LSE2(alpha * logits) / alpha
-
+    p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + i_r * stride_lr + is_far.to(tl.int32) * stride_lbr + o_s
+    lse = tl.load(p_l, mask=m_x, other=float("-inf"))                   # [2 * BLOCK_S] base 2
+    # per branch: log2 of its mass (the far one in alpha-space, then / alpha)
+    m_w = tl.max(tl.where(is_far, float("-inf"), lse), 0)
+    m_f = tl.max(tl.where(is_far, lse, float("-inf")), 0)
+    m_w = tl.where(m_w == float("-inf"), 0.0, m_w)
+    m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
+    m_own = tl.where(is_far, m_f, m_w)
+    e = tl.exp2(lse - m_own)                                            # 0 for empty states
+    z_w = tl.sum(tl.where(is_far, 0.0, e), 0)
+    z_f = tl.sum(tl.where(is_far, e, 0.0), 0)
+    lse_w = tl.where(z_w > 0.0, m_w + tl.log2(tl.where(z_w > 0.0, z_w, 1.0)), float("-inf"))
+    lse_f = tl.where(z_f > 0.0, (m_f + tl.log2(tl.where(z_f > 0.0, z_f, 1.0))) * inv_alpha, float("-inf"))
     m = tl.maximum(lse_w, lse_f)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w_w = tl.exp2(lse_w - m_safe)
+    w_w = tl.exp2(lse_w - m_safe)                                       # the branches' masses, relative
     w_f = tl.exp2(lse_f - m_safe)
     total = w_w + w_f
-    out = (w_w * o_w + w_f * o_f) / tl.where(total > 0.0, total, 1.0)
+    # each state's weight in the output: its branch's mass x its share of that branch
+    share = e / tl.where(is_far, tl.where(z_f > 0.0, z_f, 1.0), tl.where(z_w > 0.0, z_w, 1.0))
+    w = share * tl.where(is_far, w_f, w_w) / tl.where(total > 0.0, total, 1.0)
+    p_o = (OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or + is_far.to(tl.int32)[:, None] * stride_obr
+           + o_s[:, None] * stride_os + o_d[None, :])
+    o = tl.load(p_o, mask=(m_x & (e > 0.0))[:, None] & m_d[None, :], other=0.0)   # [2 * BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * o, 0)
     tl.store(Out + i_b * stride_outb + i_r * stride_outn + i_hq * stride_outh + o_d,
              out.to(Out.dtype.element_ty), mask=m_d)
     if RETURN_LSE:
@@ -316,45 +452,56 @@ def fold_fwd_kernel_stage2(
 
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None):
-    """Launch both stages. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
+    """Launch the prologue and both stages. Assumes validated inputs (see ``fold.attention``); returns
+    ``(out, lse or None)``.
 
-    q [B, n_q, Hq, d]; k, v [B, max_len, Hkv, d]; inv_freq [rotary_dim/2] fp32 on q's device;
-    cache_seqlens [B] int or None; ``out_dtype`` defaults to q's (float32 keeps a state for merging).
+    q [B, n_q, Hq, d]; k, v [B, max_len, Hkv, d] with unit stride in d; inv_freq [rotary_dim/2] fp32 on
+    q's device; cache_seqlens [B] int or None; ``out_dtype`` defaults to q's (float32 keeps a state for
+    merging).
     """
     batch, n_q, heads_q, head_dim = q.shape
     max_len, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     rows = n_q * group
     m_tiles = triton.cdiv(rows, config.block_m)
-    rot_half = rotary_dim // 2
-    n_pass = head_dim - rotary_dim
     splits = config.num_splits
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
     # the rotary factor f scales q and k alike: q carries f for itself and, with unrotated keys,
     # for the key too (with rotated keys the cache already holds it; un-rotating is a pure rotation)
     q_rot_scale = attention_factor if keys_rotated else attention_factor * attention_factor
     upcast = INTERPRETED and q.dtype == torch.bfloat16
+    consts = dict(N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=rotary_dim // 2,
+                  PASS=head_dim - rotary_dim, INTERLEAVED=interleaved, KEYS_ROTATED=keys_rotated,
+                  HAS_SEQLENS=cache_seqlens is not None, M_TILES=m_tiles, BLOCK_M=config.block_m)
+    rot_block_n = min(config.block_n, ROT_BLOCK_N)
 
+    q_dtype = torch.float32 if upcast else k.dtype
+    qw = torch.empty(batch, heads_kv, rows, block_d, device=q.device, dtype=q_dtype)
+    qf = torch.empty_like(qw)
+    trig = torch.empty(2, rot_block_n, block_d // 2, device=q.device, dtype=torch.float32)
     o_part = torch.empty(batch, heads_q, n_q, 2, splits, head_dim, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(batch, heads_q, n_q, 2, splits, device=q.device, dtype=torch.float32)
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
     seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointer when unused
+    inv_freq = inv_freq if rotary_dim else torch.zeros(1, device=q.device, dtype=torch.float32)
 
-    fold_fwd_kernel_stage1[(batch * heads_kv * m_tiles, splits)](
-        q, k, v, inv_freq, seqlens, o_part, lse_part,
+    fold_fwd_kernel_prologue[(batch * heads_kv * m_tiles,)](
+        q, inv_freq, seqlens, qw, qf, trig,
         q.stride(0), q.stride(1), q.stride(2),
+        qw.stride(0), qw.stride(1), qw.stride(2),
+        heads_kv, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
+        **consts, ROT_BLOCK_N=rot_block_n, num_warps=4,
+    )
+    fold_fwd_kernel_stage1[(batch * heads_kv * m_tiles, splits)](
+        qw, qf, k, v, inv_freq, trig, seqlens, o_part, lse_part,
+        qw.stride(0), qw.stride(1), qw.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3), o_part.stride(4),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
-        heads_kv, max_len, window, splits, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
-        N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        ROT_HALF=rot_half, HALF_P=max(16, triton.next_power_of_2(rot_half)),
-        PASS=n_pass, PASS_P=max(16, triton.next_power_of_2(max(n_pass, 1))),
-        INTERLEAVED=interleaved, KEYS_ROTATED=keys_rotated, HAS_SEQLENS=cache_seqlens is not None,
-        M_TILES=m_tiles, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        UPCAST=upcast, DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
+        heads_kv, max_len, window, splits,
+        **consts, BLOCK_N=config.block_n, ROT_BLOCK_N=rot_block_n, UPCAST=upcast, DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     fold_fwd_kernel_stage2[(batch * heads_q * n_q,)](
@@ -369,4 +516,3 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out, (lse if return_lse else None)
-
