@@ -395,7 +395,7 @@ def load_drafter(path, target):
                              f"[vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], got "
                              f"{None if table is None else tuple(table.shape)}")
     shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
-    wrong = [f"{k} {tuple(v.shape)} (config wants {shapes[k]})" for k, v in state.items()
+    wrong = [f"{k} {tuple(v.shape)} (config wants {shapes[k]})" for k, v in sorted(state.items())
              if k in shapes and tuple(v.shape) != shapes[k]]
     if wrong:
         raise ValueError(f"{path}: weights do not match config.json: {wrong[:4]}")
