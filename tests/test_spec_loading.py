@@ -106,3 +106,68 @@ def test_bad_generate_arguments(tmp_path, target, kwargs, words):
     with pytest.raises(ValueError) as info:
         spec.generate(target, drafter, torch.tensor([[1, 2, 3, 4, 5]]), **kwargs)
     assert words in str(info.value)
+
+
+# -- broken files and fields: a ValueError/TypeError naming the file and the field, at load time --
+
+@pytest.mark.parametrize("content, words", [
+    (b"{not json", "config.json: not valid JSON"),
+    (b"[1, 2]", "config.json: must hold a JSON object, got a list"),
+    (b"\xff\xfe\x00", "config.json: cannot be read"),
+])
+def test_invalid_config_json_is_named(tmp_path, target, content, words):
+    path = make_drafter(tmp_path / "d", target, "zlab")
+    (path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        spec.load_drafter(path, target)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("cut", ["truncated", "garbage", "empty"])
+def test_corrupt_safetensors_are_named(tmp_path, target, cut):
+    path = make_drafter(tmp_path / "d", target, "zlab")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[:len(data) // 2], "garbage": b"\x00" * 64, "empty": b""}[cut])
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        spec.load_drafter(path, target)
+
+
+def test_a_missing_shard_is_named(tmp_path, target):
+    path = make_drafter(tmp_path / "d", target, "zlab")
+    (path / "model.safetensors").rename(path / "shard-1.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "shard-1.safetensors",
+                                                                                  "norm.weight": "shard-2.safetensors"}}))
+    with pytest.raises(ValueError, match="shard-2.safetensors: missing"):
+        spec.load_drafter(path, target)
+
+
+@pytest.mark.parametrize("changes, error, words", [
+    (dict(architectures="DFlashDraftModel"), TypeError, "architectures must be a list of strings"),
+    (dict(dflash_config=[1]), TypeError, "dflash_config must be an object"),
+    (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 97}), ValueError,
+     "mask_token_id=97 is outside the vocabulary (vocab_size=97)"),
+    (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": -1}), ValueError, "mask_token_id must be an int >= 0"),
+    (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 96, "block_size": 0}), ValueError,
+     "block_size must be an int >= 2, got 0"),
+    (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 96, "block_size": 1}), ValueError,
+     "block_size must be an int >= 2, got 1"),
+    (dict(dflash_config={"target_layer_ids": "0,2", "mask_token_id": 96}), TypeError,
+     "target_layer_ids must be a non-empty list of ints"),
+    (dict(hidden_size="64"), TypeError, "hidden_size must be an int >= 1, got '64'"),
+    (dict(num_key_value_heads=3), ValueError, "num_attention_heads=4 must be a multiple of the key/value heads (3)"),
+    (dict(rms_norm_eps=0), ValueError, "rms_norm_eps must be a finite number > 0"),
+])
+def test_bad_fields_are_named_at_load_time(tmp_path, target, changes, error, words):
+    path = make_drafter(tmp_path / "d", target, "zlab")
+    _rewrite_config(path, **changes)
+    with pytest.raises(error) as info:
+        spec.load_drafter(path, target)
+    assert words in str(info.value) and "config.json" in str(info.value)
+
+
+def test_deepspec_block_size_must_be_positive(tmp_path, target):
+    path = make_drafter(tmp_path / "d", target, "dspark")
+    _rewrite_config(path, block_size=0)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
+        spec.load_drafter(path, target)
