@@ -17,7 +17,8 @@ TARGET_WINDOW = 8      # the tiny Gemma-4 target's sliding window
 
 def target_config(kind: str, vocab: int = VOCAB):
     """Configs of the tiny targets: "llama", "qwen3", "qwen3_5" (Gated DeltaNet + gated full attention,
-    partial RoPE) and "gemma4" (sliding + full layers, attention_k_eq_v, proportional RoPE, softcap)."""
+    partial RoPE), "gemma4" (sliding + full layers, attention_k_eq_v, proportional RoPE, softcap) and
+    "gemma4_shared" (the same with KV sharing: the last two layers reuse the first two's K/V)."""
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                   initializer_range=0.3, tie_word_embeddings=False)
@@ -30,11 +31,12 @@ def target_config(kind: str, vocab: int = VOCAB):
             "qwen3_5_text", **common, layer_types=["linear_attention", "full_attention"] * (TARGET_LAYERS // 2),
             linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
             linear_num_value_heads=4)
-    if kind == "gemma4":       # small global_head_dim / per-layer inputs, or the defaults make it huge
+    if kind in ("gemma4", "gemma4_shared"):   # small global_head_dim / per-layer inputs, or the defaults make it huge
         return transformers.AutoConfig.for_model(
             "gemma4_text", **common, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
             hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab, sliding_window=TARGET_WINDOW,
-            layer_types=["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2), final_logit_softcapping=30.0)
+            layer_types=["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2), final_logit_softcapping=30.0,
+            num_kv_shared_layers=2 if kind == "gemma4_shared" else 0)   # _shared: the last two reuse earlier K/V
     raise ValueError(f"unknown target kind {kind!r}")
 
 

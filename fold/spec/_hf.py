@@ -228,6 +228,15 @@ def layer_keys(cache, index: int):
     return cache.key_cache[index]
 
 
+def key_layer(cache, index: int, layer_types) -> int:
+    """The cache layer holding the keys that layer ``index`` reads: itself, or for a KV-sharing
+    consumer (Gemma-4's ``num_kv_shared_layers``) the last earlier layer of its type that stores them."""
+    layers = _layers(cache)
+    if not layers or _layer_kind(layers[index]) != "none":
+        return index
+    return max(i for i in range(index) if layer_types[i] == layer_types[index] and _layer_kind(layers[i]) != "none")
+
+
 def layer_values(cache, index: int):
     """Values of layer ``index`` of a dynamic cache, ``[B, Hkv, T, d]``."""
     if hasattr(cache, "layers"):
@@ -275,8 +284,8 @@ def attention_query(target, index: int, hidden_in, positions):
     else:
         embeddings = rotary(x, pos)
     kwargs = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
-    if "shared_kv_states" in inspect.signature(type(attn).forward).parameters:
-        kwargs["shared_kv_states"] = {}
+    if "shared_kv_states" in inspect.signature(type(attn).forward).parameters:   # only the query is read
+        kwargs["shared_kv_states"] = dict.fromkeys(set(types) or {"full_attention"}, (None, None))
     _CAPTURED.clear()
     with _attention_implementation(target, "fold_capture"):
         attn(**kwargs)

@@ -165,7 +165,7 @@ def target_attention_weights(target, hidden_states, cache, committed: int, row: 
     index = max(i for i, t in enumerate(types) if t == "full_attention")
     q, scaling = _hf.attention_query(target, index, hidden_states[index][:, row:row + 1],
                                      torch.tensor([committed - 1]))                     # [1, Hq, 1, d]
-    keys = _hf.layer_keys(cache, index)[:, :, :committed]                            # [1, Hkv, t, d]
+    keys = _hf.layer_keys(cache, _hf.key_layer(cache, index, types))[:, :, :committed]   # [1, Hkv, t, d]
     keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
     weights = torch.softmax((q @ keys.transpose(-1, -2)).float() * scaling, dim=-1)
     return weights[0, :, 0].mean(dim=0)
