@@ -1,29 +1,65 @@
-"""The PyTorch path of ``fold.attention``: any device, memory-bounded, fast on the CPU.
+"""The PyTorch path of ``fold.attention`` and ``fold.tree_attention``: any device, memory-bounded,
+at the speed of a packed plain read on the CPU.
 
-Per sequence the KV axis splits into three segments (``win_lo = n - D + 1``, ``far_hi = n - W``):
+Per sequence the KV axis splits into three segments (``win_lo = n - D + 1``, ``far_hi = n - W``)::
 
-    [0, win_lo)        far for every row     -> one fused SDPA read that returns its LSE
+    [0, win_lo)        far for every row     -> fused reads that return their LSE (alpha * scale)
     [win_lo, far_hi)   n_q - 1 mixed entries -> explicit logits, a per-row mask, both branches
-    [far_hi, L)        window for every row  -> one fused SDPA read of the W + n_q rotated keys
+    [far_hi, L)        window for every row  -> fused reads of the W + n_q keys at exact positions
 
 GQA heads are packed into the query axis (``[heads_kv, n_q * group, d]``), so each KV head is read
-once. Keys that need a rotation are rotated chunk by chunk, so memory stays ``O(chunk)`` even at
-256K. The states merge by LSE: the far ones in alpha-space, then ``lse_far / alpha`` against the
-window (``fold.merge_states``' rule).
+once, as a plain read packs them. A segment whose keys are usable as stored (the far memory of an
+unrotated cache, the window of a rotated one) is one fused read of a view of the cache: no copy.
+Keys that need a rotation (the window of an unrotated cache, the far memory of a rotated one) or a
+page gather (a paged cache) are prepared a cache-sized chunk at a time, read while still in cache,
+and the chunk states merged online, so memory stays ``O(chunk)`` at any length and the extra work is
+one pass over keys already in L2. Angles are formed in float64 (:func:`fold.rope.rotate`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fold.merge import _merge_pair
+from fold.merge import merge_pair
+from fold.rope import rotate, rotate_with
 
-ROTATE_CHUNK = 8192   # entries rotated at a time where a segment's keys need rotation
-MATH_CHUNK = 4096     # entries per step where no fused kernel returns the LSE
+CHUNK_BYTES = 2 << 20   # keys prepared per step (float32), read while still in cache
+MATH_CHUNK = 4096       # entries per step where no fused kernel returns the LSE (non-CPU devices)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype states and rotations are computed in: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Cache:
+    """The keys and values of one sequence, contiguous ``[max_len, Hkv, d]`` or paged
+    (``pages [num_blocks, page_size, Hkv, d]`` and that sequence's ``table [max_blocks]``)."""
+
+    def __init__(self, k, v, b, block_table=None):
+        self.paged = block_table is not None
+        if self.paged:
+            self.k, self.v, self.table, self.page = k, v, block_table[b].long(), k.shape[1]
+        else:
+            self.k, self.v = k[b], v[b]
+
+    def rows(self, lo: int, hi: int):
+        """Entries ``[lo, hi)`` as ``[N, Hkv, d]`` each: views of a contiguous cache, gathered pages otherwise."""
+        if not self.paged:
+            return self.k[lo:hi], self.v[lo:hi]
+        p0, p1 = lo // self.page, (hi - 1) // self.page + 1
+        pages = self.table[p0:p1]
+        start = lo - p0 * self.page
+        return (self.k[pages].flatten(0, 1)[start:start + hi - lo],
+                self.v[pages].flatten(0, 1)[start:start + hi - lo])
+
+    def as_stored(self) -> bool:
+        """Whole segments can be read in place (contiguous, unit stride on the last dim)."""
+        return not self.paged and self.k.stride(-1) == 1 and self.v.stride(-1) == 1
 
 
 def _rotate(x, pos, inv_freq, rotary_dim, interleaved, factor=1.0):
-    # x: [..., N, d]; pos: [N] positions (may be negative); rotary dims times factor, rest unchanged
+    # Transitional: the old private rotation some policies still import; use fold.rope.rotate instead.
     angle = pos.to(inv_freq.dtype)[:, None] * inv_freq                      # [N, rotary_dim/2]
     cos, sin = torch.cos(angle) * factor, torch.sin(angle) * factor
     out = torch.empty_like(x)
@@ -32,9 +68,9 @@ def _rotate(x, pos, inv_freq, rotary_dim, interleaved, factor=1.0):
     a, b = x[..., pairs[0]], x[..., pairs[1]]
     out_a, out_b = out[..., pairs[0]], out[..., pairs[1]]
     torch.mul(a, cos, out=out_a)
-    out_a.addcmul_(b, sin, value=-1.0)                                      # a cos - b sin
+    out_a.addcmul_(b, sin, value=-1.0)
     torch.mul(b, cos, out=out_b)
-    out_b.addcmul_(a, sin)                                                  # b cos + a sin
+    out_b.addcmul_(a, sin)
     out[..., rotary_dim:] = x[..., rotary_dim:]
     return out
 
@@ -44,45 +80,67 @@ def _empty_state(q):
 
 
 def _fused_read(q, k, v, scale):
-    # q: [H, M, d]; k, v: [H, N, d] (any strides), all one dtype -> (o, lse) in q's dtype, float lse
+    """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim), one dtype -> ``(o, lse)``."""
     if q.device.type == "cpu":
+        # the CPU's fused flash kernel returns the LSE; it is wrong for a last dim with stride != 1
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], scale=scale)
         return o[0], lse[0]
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = work_dtype(q.dtype)
     state = _empty_state(q.to(work))
     for c0 in range(0, k.shape[1], MATH_CHUNK):
         kc, vc = k[:, c0:c0 + MATH_CHUNK].to(work), v[:, c0:c0 + MATH_CHUNK].to(work)
         s = torch.einsum("hmd,hnd->hmn", q.to(work), kc) * scale
-        lse = torch.logsumexp(s, dim=-1)
-        state = _merge_pair(*state, torch.softmax(s, dim=-1) @ vc, lse)
+        state = merge_pair(*state, torch.softmax(s, dim=-1) @ vc, torch.logsumexp(s, dim=-1))
     return state
 
 
-def _segment_read(q, k, v, scale, key_pos, rope):
-    """Attention of ``q [H, M, d]`` (work dtype) over ``k, v [N, H, d]``; ``key_pos`` rotates keys first.
+def _merge_into(state, o, lse):
+    """Online merge of a chunk's state into ``state`` (in place where it can). Chunk states are never
+    empty (a fused read of >= 1 key), so the -inf cases of :func:`fold.merge.merge_pair` cannot occur;
+    NaN propagates."""
+    if state is None:
+        return o, lse
+    o_acc, lse_acc = state
+    m = torch.maximum(lse_acc, lse)
+    w_acc, w = torch.exp(lse_acc - m), torch.exp(lse - m)
+    total = w_acc + w
+    o_acc.mul_((w_acc / total)[..., None]).addcmul_(o, (w / total)[..., None])
+    return o_acc, m + torch.log(total)
 
-    The CPU's fused kernel is wrong for a last dim with stride != 1 (e.g. ``x[..., ::2]``), so such
-    keys and values are copied chunk by chunk, as rotated keys are.
-    """
-    work = q.dtype
-    if k.shape[0] == 0:
+
+def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int = 1, offset: int = 0):
+    """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``; with ``rope`` entry j's key
+    is first rotated by ``j + offset`` (``sign=1``) or ``-j`` (``sign=-1``, offset 0), a pure rotation.
+    Returns ``(o, lse)`` in q's dtype."""
+    if hi <= lo:
         return _empty_state(q)
-    unit_stride = k.stride(-1) == 1 and v.stride(-1) == 1
-    if key_pos is None and unit_stride:
-        o, lse = _fused_read(q.to(k.dtype), k.transpose(0, 1), v.transpose(0, 1), scale)
-        return o.to(work), lse.to(work)
-    state = _empty_state(q)
-    q_in = q.to(k.dtype)
-    for c0 in range(0, k.shape[0], ROTATE_CHUNK):
-        kc = k[c0:c0 + ROTATE_CHUNK].transpose(0, 1)                            # [H, C, d]
-        vc = v[c0:c0 + ROTATE_CHUNK].transpose(0, 1)
-        if key_pos is not None:
-            inv_freq, rotary_dim, interleaved = rope
-            kc = _rotate(kc.to(work), key_pos[c0:c0 + ROTATE_CHUNK], inv_freq, rotary_dim, interleaved).to(k.dtype)
-        else:
-            kc = kc.contiguous()
-        o, lse = _fused_read(q_in, kc, vc if vc.stride(-1) == 1 else vc.contiguous(), scale)
-        state = _merge_pair(*state, o.to(work), lse.to(work))
+    kv_dtype = cache.k.dtype
+    q_in = q.to(kv_dtype)
+    if rope is None and cache.as_stored():
+        k, v = cache.rows(lo, hi)
+        o, lse = _fused_read(q_in, k.transpose(0, 1), v.transpose(0, 1), scale)
+        return o.to(q.dtype), lse.to(q.dtype)
+    heads_kv, head_dim = cache.k.shape[-2], cache.k.shape[-1]
+    chunk = max(64, CHUNK_BYTES // (heads_kv * head_dim * 4))
+    chunk = -(-(hi - lo) // -(-(hi - lo) // chunk))                           # balanced: no tiny last chunk
+    # rotated keys are written as the cache stores them, [C, Hkv, d]: the fastest layout to write
+    buf = torch.empty(min(chunk, hi - lo), heads_kv, head_dim, dtype=q.dtype, device=q.device) if rope else None
+    state = None
+    for c0 in range(lo, hi, chunk):
+        c1 = min(c0 + chunk, hi)
+        k, v = cache.rows(c0, c1)                                                 # [C, Hkv, d]
+        if rope is not None:
+            # positions sign * j + offset: j + offset from the table, or -j as the inverse of j
+            start = c0 + offset if sign > 0 else c0
+            cos, sin = rope.cos_sin(start, c1 - c0, dtype=q.dtype, device=q.device)
+            k = rotate_with(k, cos[:, None], sin[:, None], rope, inverse=sign < 0,
+                            out=buf[:c1 - c0] if k.dtype == q.dtype else None)
+            k = k.to(kv_dtype)
+        elif k.stride(-1) != 1:
+            k = k.contiguous()
+        k, v = k.transpose(0, 1), v.transpose(0, 1)                               # [Hkv, C, d]
+        o, lse = _fused_read(q_in, k, v if v.stride(-1) == 1 else v.contiguous(), scale)
+        state = _merge_into(state, o.to(q.dtype), lse.to(q.dtype))
     return state
 
 
@@ -91,74 +149,90 @@ def _masked_read(q, k, v, scale, visible):
     s = torch.einsum("hmd,hnd->hmn", q, k) * scale
     s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                         # [H, M]
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
     return p @ v, lse
 
 
-def fold_attention_torch(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
-                         interleaved, attention_factor, keys_rotated, return_lse, far_distance_per_row=True):
+def _pack(x, heads_kv):
+    # [n, Hq, d] -> [Hkv, n * group, d]: row m = r * group + h
+    n, heads_q, head_dim = x.shape
+    return x.view(n, heads_kv, heads_q // heads_kv, head_dim).transpose(0, 1).reshape(heads_kv, -1, head_dim)
+
+
+def _unpack(x, n):
+    # [Hkv, n * group, ...] -> [n, Hq, ...]
+    heads_kv, rows = x.shape[:2]
+    return x.reshape(heads_kv, n, rows // n, *x.shape[2:]).transpose(0, 1).reshape(n, heads_kv * (rows // n),
+                                                                                   *x.shape[2:])
+
+
+def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
+                         block_table=None, far_distance_per_row=True):
     """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
 
-    ``far_distance_per_row=False`` reads every far entry at distance ``D`` from every row instead of
-    ``D + r`` (ReRoPE's rule, used by that baseline of the adapter)."""
+    ``k, v`` are ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, page_size, Hkv, d]`` with
+    ``block_table [batch, max_blocks]``. ``far_distance_per_row=False`` reads every far entry at
+    distance ``D`` from every row instead of ``D + r`` (ReRoPE's rule).
+    """
     batch, n_q, heads_q, head_dim = q.shape
-    max_len, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    seqlens = [max_len] * batch if cache_seqlens is None else cache_seqlens.tolist()
-    rope = (inv_freq.to(work), rotary_dim, interleaved)
-    q_rot_scale = attention_factor if keys_rotated else attention_factor * attention_factor
-    row_r = torch.arange(n_q, device=q.device).repeat_interleave(group)     # [M] row m = r * group + h
+    heads_kv = k.shape[2]
+    work = work_dtype(q.dtype)
+    if cache_seqlens is None:
+        seqlens = [k.shape[1]] * batch
+    else:
+        seqlens = cache_seqlens.tolist()
+    f = rope.attention_factor
+    # R_0 k = f k on the rotary dims, and the window's R_j k carries f too: with unrotated keys q takes
+    # both factors (f^2); with rotated keys the cache already holds one, and un-rotating is pure
+    q_factor = f if keys_rotated else f * f
+    row_r = torch.arange(n_q, device=q.device).repeat_interleave(heads_q // heads_kv)   # [M] row m = r * group + h
     out = torch.empty_like(q)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse_out = torch.empty(batch, n_q, heads_q, device=q.device, dtype=lse_dtype) if return_lse else None
+    lse_out = torch.empty(batch, n_q, heads_q, device=q.device, dtype=work) if return_lse else None
     for b, length in enumerate(seqlens):
+        cache = _Cache(k, v, b, block_table)
         n = length - n_q
         win_lo, far_hi = n - window - n_q + 1, n - window
         a, c = max(0, win_lo), max(0, far_hi)
-        qm = q[b].to(work).view(n_q, heads_kv, group, head_dim).transpose(0, 1).reshape(heads_kv, n_q * group, head_dim)
-        q_far = _rotate(qm, window + n_q + (row_r if far_distance_per_row else 0 * row_r), *rope, factor=q_rot_scale)
-        q_win = _rotate(qm, row_r + (n if keys_rotated else 0), *rope, factor=q_rot_scale)  # unrotated: relative to n
-        kb, vb = k[b, :length], v[b, :length]
-        j = torch.arange(length, device=q.device)
+        qm = _pack(q[b], heads_kv).to(work)
+        far_pos = window + n_q + (row_r if far_distance_per_row else 0 * row_r)
+        q_far = rotate(qm, far_pos, rope, factor=q_factor)
+        q_win = rotate(qm, row_r + (n if keys_rotated else 0), rope, factor=q_factor)  # unrotated: relative to n
 
-        far = _segment_read(q_far, kb[:a], vb[:a], alpha * softmax_scale, -j[:a] if keys_rotated else None, rope)
-        win = _segment_read(q_win, kb[c:], vb[c:], softmax_scale, None if keys_rotated else j[c:] - n, rope)
+        far = _read(q_far, cache, 0, a, alpha * softmax_scale, *((rope, -1, 0) if keys_rotated else ()))
+        win = _read(q_win, cache, c, length, softmax_scale, *(() if keys_rotated else (rope, 1, -n)))
         if c > a:
-            km = kb[a:c].transpose(0, 1).to(work)                              # [Hkv, n_q - 1, d]
-            vm = vb[a:c].transpose(0, 1).to(work)
-            jm = j[a:c]
-            in_window = jm[None, :] >= (win_lo + row_r)[:, None]               # [M, c - a]
-            k_far = _rotate(km, -jm, *rope) if keys_rotated else km
-            k_win = km if keys_rotated else _rotate(km, jm - n, *rope)
-            far = _merge_pair(*far, *_masked_read(q_far, k_far, vm, alpha * softmax_scale, ~in_window))
-            win = _merge_pair(*win, *_masked_read(q_win, k_win, vm, softmax_scale, in_window))
-        o, lse = _merge_pair(*win, far[0], far[1] / alpha)                    # [Hkv, M, d], [Hkv, M]
-        out[b] = o.view(heads_kv, n_q, group, head_dim).transpose(0, 1).reshape(n_q, heads_q, head_dim)
+            km, vm = cache.rows(a, c)
+            km, vm = km.transpose(0, 1).to(work), vm.transpose(0, 1).to(work)            # [Hkv, c - a, d]
+            jm = torch.arange(a, c, device=q.device)
+            in_window = jm[None, :] >= (win_lo + row_r)[:, None]                        # [M, c - a]
+            k_far = rotate(km, -jm, rope, factor=1.0) if keys_rotated else km
+            k_win = km if keys_rotated else rotate(km, jm - n, rope, factor=1.0)
+            far = merge_pair(*far, *_masked_read(q_far, k_far, vm, alpha * softmax_scale, ~in_window))
+            win = merge_pair(*win, *_masked_read(q_win, k_win, vm, softmax_scale, in_window))
+        o, lse = merge_pair(*win, far[0], far[1] / alpha)                              # [Hkv, M, d], [Hkv, M]
+        out[b] = _unpack(o, n_q)
         if return_lse:
-            lse_out[b] = lse.view(heads_kv, n_q, group).transpose(0, 1).reshape(n_q, heads_q)
+            lse_out[b] = _unpack(lse, n_q)
     return out, lse_out
 
 
 def tree_attention_torch(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale,
-                         return_lse):
-    """Hybrid tree attention: the cache through one fused read with LSE, the tree explicitly, one merge."""
+                         return_lse, block_table=None):
+    """Hybrid tree attention: the cache through fused reads with LSE, the tree explicitly, one merge."""
     batch, n_tree, heads_q, head_dim = q.shape
-    max_len, heads_kv = k_cache.shape[1], k_cache.shape[2]
-    group = heads_q // heads_kv
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    seqlens = [max_len] * batch if cache_seqlens is None else cache_seqlens.tolist()
-    node = torch.arange(n_tree, device=q.device).repeat_interleave(group)             # row m = i * group + h
+    heads_kv = k_cache.shape[2]
+    work = work_dtype(q.dtype)
+    seqlens = [k_cache.shape[1]] * batch if cache_seqlens is None else cache_seqlens.tolist()
+    node = torch.arange(n_tree, device=q.device).repeat_interleave(heads_q // heads_kv)   # row m = i * group + h
     out = torch.empty_like(q)
-    lse_out = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=work if work == torch.float64
-                          else torch.float32) if return_lse else None
+    lse_out = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=work) if return_lse else None
     for b, length in enumerate(seqlens):
-        qm = q[b].view(n_tree, heads_kv, group, head_dim).transpose(0, 1).reshape(heads_kv, n_tree * group, head_dim)
-        cached = _segment_read(qm.to(work), k_cache[b, :length], v_cache[b, :length], softmax_scale, None, None)
-        tree = _masked_read(qm.to(work), k_tree[b].transpose(0, 1).to(work), v_tree[b].transpose(0, 1).to(work),
+        qm = _pack(q[b], heads_kv).to(work)
+        cached = _read(qm, _Cache(k_cache, v_cache, b, block_table), 0, length, softmax_scale)
+        tree = _masked_read(qm, k_tree[b].transpose(0, 1).to(work), v_tree[b].transpose(0, 1).to(work),
                             softmax_scale, tree_mask[b][node])
-        o, lse = _merge_pair(*cached, *tree)
-        out[b] = o.view(heads_kv, n_tree, group, head_dim).transpose(0, 1).reshape(n_tree, heads_q, head_dim)
+        o, lse = merge_pair(*cached, *tree)
+        out[b] = _unpack(o, n_tree)
         if return_lse:
-            lse_out[b] = lse.view(heads_kv, n_tree, group).transpose(0, 1).reshape(n_tree, heads_q)
+            lse_out[b] = _unpack(lse, n_tree)
     return out, lse_out

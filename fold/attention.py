@@ -81,11 +81,11 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
     args = dict(window=window, alpha=float(alpha), softmax_scale=softmax_scale, rotary_dim=rope.rotary_dim,
                 interleaved=rope.interleaved, attention_factor=rope.attention_factor,
                 keys_rotated=keys_rotated, return_lse=return_lse)
-    inv_freq = rope.inv_freq_on(q.device)
     if backend == "torch":
         from fold._torch_backend import fold_attention_torch
 
-        out, lse = fold_attention_torch(q, k, v, inv_freq, cache_seqlens, **args)
+        out, lse = fold_attention_torch(q, k, v, rope, cache_seqlens, window=window, alpha=float(alpha),
+                                        softmax_scale=softmax_scale, keys_rotated=keys_rotated, return_lse=return_lse)
     else:
         from fold.config_lookup import config_for
         from fold.kernels.fold_attention import fold_attention_fwd
@@ -93,6 +93,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
         q = q if q.stride(-1) == 1 else q.contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
+        inv_freq = rope.inv_freq_on(q.device)
         config = config_for(q, k, keys_rotated)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             out, lse = fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, config=config, **args)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 
-def _merge_pair(o_a, lse_a, o_b, lse_b):
+def merge_pair(o_a, lse_a, o_b, lse_b):
+    """The LSE merge of two states, in their dtype (no checks): ``o [..., d]``, ``lse [...]`` natural log."""
     # o: [..., d] float; lse: [...] float, -inf for an empty state. Weights first, then outputs.
     # An empty pair stays (0, -inf) instead of (-inf) - (-inf) = NaN; an empty state's o is never
     # read. NaN anywhere else (a NaN query or key of a non-empty state) propagates to the result.
@@ -67,7 +68,7 @@ def merge_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     lse = torch.where(lse == float("inf"), float("-inf"), lse)
     for o_i, lse_i in zip(outputs[1:], lses[1:]):
         lse_i = torch.where(lse_i == float("inf"), float("-inf"), lse_i.to(work))
-        o, lse = _merge_pair(o, lse, o_i.to(work), lse_i)
+        o, lse = merge_pair(o, lse, o_i.to(work), lse_i)
     if len(outputs) == 1:
         o = torch.where((lse == float("-inf"))[..., None], 0.0, o)
     return o.to(ref_o.dtype), lse

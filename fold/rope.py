@@ -58,6 +58,8 @@ class Rope:
         self.interleaved = interleaved
         self.attention_factor = attention_factor
         self._on_device: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}           # (device, dtype) -> cos, sin
+        self._ranges: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}           # negative ranges, recent
 
     @classmethod
     def from_theta(cls, theta: float, head_dim: int, rotary_dim: int | None = None) -> Rope:
@@ -114,6 +116,89 @@ class Rope:
             self._on_device[device] = self.inv_freq.to(device)
         return self._on_device[device]
 
+    def cos_sin(self, start: int, count: int, *, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [count, rotary_dim / 2]`` of the positions ``start .. start + count - 1`` (a pure
+        rotation, no ``attention_factor``), formed in float64 and stored in ``dtype``.
+
+        Non-negative positions are slices of one table per device and dtype, grown (doubling) to the
+        largest position asked for and kept, as engines keep a cos/sin cache: 2 x 4 bytes x
+        ``rotary_dim / 2`` per position in float32 (64 MiB at 128K positions for rotary_dim 128),
+        shared by every layer and call. Ranges that start below zero (a window's positions relative to
+        its block) are computed and the last few kept.
+        """
+        device = torch.device(device)
+        if start < 0:
+            key = (device, dtype, start, count)
+            if key not in self._ranges:
+                if len(self._ranges) >= 16:
+                    self._ranges.pop(next(iter(self._ranges)))
+                angle = torch.arange(start, start + count, dtype=torch.float64, device=device)[:, None] * \
+                    self.inv_freq_on(device).double()
+                self._ranges[key] = (torch.cos(angle).to(dtype), torch.sin(angle).to(dtype))
+            return self._ranges[key]
+        key = (device, dtype)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < start + count:
+            size = max(4096, 1 << (start + count - 1).bit_length())
+            angle = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.inv_freq_on(device).double()
+            table = self._tables[key] = (torch.cos(angle).to(dtype), torch.sin(angle).to(dtype))
+        return table[0][start:start + count], table[1][start:start + count]
+
     def __repr__(self) -> str:
         return (f"Rope(rotary_dim={self.rotary_dim}, interleaved={self.interleaved}, "
                 f"attention_factor={self.attention_factor})")
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope, *, factor: float | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``R_pos x``: rotate the first ``rope.rotary_dim`` dims of ``x [..., N, head_dim]`` by the angles
+    ``positions[N] * inv_freq`` and multiply them by ``factor`` (default ``rope.attention_factor``;
+    pass ``1.0`` for a pure rotation); the other dims pass through.
+
+    Angles, cos and sin are formed in float64 (exact at any position, also 256K entries back), then
+    applied in ``x``'s dtype (float32 for float16/bfloat16 ``x``, whose result is cast back). The one
+    home of RoPE in fold: the torch path, the policies and the demo call it.
+
+    Args:
+        x: [..., N, head_dim], any strides.
+        positions: [N] integer (or float) positions, negative allowed (``R_-j`` un-rotates).
+        rope: the :class:`Rope`.
+        factor: multiplies the rotary dims. Default: ``rope.attention_factor``.
+        out: optional result tensor of ``x``'s shape in the work dtype (written in place).
+
+    Example::
+
+        >>> rope = fold.Rope.from_theta(10000.0, head_dim=64)
+        >>> k = torch.randn(8, 100, 64)                                   # [heads, N, d]
+        >>> rotated = fold.rope.rotate(k, torch.arange(100), rope)
+        >>> back = fold.rope.rotate(rotated, -torch.arange(100), rope)   # == k up to rounding
+    """
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    angle = positions.to(device=x.device, dtype=torch.float64)[:, None] * rope.inv_freq_on(x.device).double()
+    f = rope.attention_factor if factor is None else factor
+    return rotate_with(x, (torch.cos(angle) * f).to(work), (torch.sin(angle) * f).to(work), rope, out=out)
+
+
+def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Rope, *, inverse: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rotate` with its tables given: ``cos, sin`` broadcastable to ``[..., N, rotary_dim / 2]``
+    in the work dtype, factor included (e.g. from :meth:`Rope.cos_sin`); ``inverse`` rotates by the
+    negated angles (``R_-j`` from the tables of ``j``)."""
+    work = cos.dtype
+    rotary_dim, half = rope.rotary_dim, rope.rotary_dim // 2
+    if out is None:
+        out = torch.empty(x.shape, dtype=work, device=x.device)
+    src = x if x.dtype == work else x.to(work)
+    if rope.interleaved:
+        a, b, out_a, out_b = (src[..., 0:rotary_dim:2], src[..., 1:rotary_dim:2], out[..., 0:rotary_dim:2],
+                              out[..., 1:rotary_dim:2])
+    else:
+        a, b, out_a, out_b = src[..., :half], src[..., half:rotary_dim], out[..., :half], out[..., half:rotary_dim]
+    sign = 1.0 if inverse else -1.0
+    torch.mul(a, cos, out=out_a)
+    out_a.addcmul_(b, sin, value=sign)                                                     # a cos -+ b sin
+    torch.mul(b, cos, out=out_b)
+    out_b.addcmul_(a, sin, value=-sign)                                                    # b cos +- a sin
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = src[..., rotary_dim:]
+    return out if x.dtype == work else out.to(x.dtype)

@@ -153,9 +153,7 @@ def yarn_rope(rope: fold.Rope, factor: float, reference_len: int, theta: float, 
 def rerope_read(q, k, v, *, rope, window, training_length=4096):
     """ReRoPE as the paper adapts it: window at true distances, older entries at distance D, one softmax."""
     q = _rerope_scaled(q, k.shape[1] - q.shape[1], training_length)
-    out, _ = fold_attention_torch(q, k, v, rope.inv_freq_on(q.device), None, window=window, alpha=1.0,
-                                  softmax_scale=q.shape[-1] ** -0.5, rotary_dim=rope.rotary_dim,
-                                  interleaved=rope.interleaved, attention_factor=rope.attention_factor,
+    out, _ = fold_attention_torch(q, k, v, rope, None, window=window, alpha=1.0, softmax_scale=q.shape[-1] ** -0.5,
                                   keys_rotated=False, return_lse=False, far_distance_per_row=False)
     return out
 
