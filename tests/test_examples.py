@@ -37,9 +37,20 @@ def test_generate_example_is_lossless_against_ar(tmp_path, capsys):
 def test_fold_vs_attention_example_runs(capsys):
     import fold_vs_attention
 
-    fold_vs_attention.main(["--lengths", "600", "--repeats", "1", "--drafter", "qwen3-8b-b7"])
+    fold_vs_attention.main(["--lengths", "600", "--repeats", "1", "--drafter", "qwen3-8b-b7", "--keys-rotated"])
     out = capsys.readouterr().out
-    assert "FOLD/plain" in out and "600" in out
+    assert "FOLD/packed" in out and "FOLD/gqa" in out and "     600 " in out
+
+
+@pytest.mark.parametrize("args, words", [(["--repeats", "0"], "--repeats: must be >= 1"),
+                                         (["--lengths", "5"], "--lengths must be >= the block's n_q=10"),
+                                         (["--alpha", "0.5"], "--alpha must lie in [1, 10000]")])
+def test_fold_vs_attention_rejects_bad_options(args, words, capsys):
+    import fold_vs_attention
+
+    with pytest.raises(SystemExit):
+        fold_vs_attention.main(args)
+    assert words in capsys.readouterr().err
 
 
 def test_generate_example_runs_on_the_shipped_byte_level_pair(tmp_path, capsys):

@@ -86,8 +86,17 @@ def reference_call(inputs: dict):
 
 
 def sdpa_full_call(inputs: dict):
+    """SDPA with ``enable_gqa``: reads each KV head once per query head (group times)."""
     q, k, v = (inputs[n].transpose(1, 2) for n in ("q_rot", "k_rot", "v"))
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def sdpa_packed_call(inputs: dict):
+    """The fair plain read: the GQA group packed into the query axis (``[B, Hkv, n_q * group, d]``), so
+    each KV head is read once, as a DFlash engine (and fold's torch path) reads it."""
+    k, v = inputs["k_rot"].transpose(1, 2), inputs["v"].transpose(1, 2)
+    q = _pack_gqa(inputs["q_rot"], k.shape[1])
+    return lambda: F.scaled_dot_product_attention(q, k, v)
 
 
 def flash_available() -> bool:
@@ -177,6 +186,7 @@ PROVIDERS = {
     "fold_triton": lambda inputs: fold_call(inputs, "triton"),
     "fold_torch": lambda inputs: fold_call(inputs, "torch"),
     "reference": reference_call,
+    "sdpa_packed": sdpa_packed_call,
     "sdpa_full": sdpa_full_call,
     "flash_full": flash_full_call,
     "flash_paper_layout": flash_paper_layout_call,
