@@ -175,7 +175,7 @@ def greedy_ar(target, ids, max_new_tokens, eos=()):
     logits, _, cache = _hf.forward(target, ids[None])
     new = [int(logits[0, -1].argmax())]
     while len(new) < max_new_tokens and new[-1] not in eos:
-        logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]]), cache)
+        logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]]), cache, rollback=False)
         new.append(int(logits[0, -1].argmax()))
     return torch.cat([ids, torch.tensor(new)])
 

@@ -87,6 +87,23 @@ def test_rollback_continues_exactly_for_every_layer_type(family, kept):
             assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0] + 1
 
 
+def test_plain_decoding_records_nothing(family):
+    """spec.autoregressive's forwards (rollback=False) keep sliding layers at their window and conv
+    states at the kernel, and copy no state; a verification after them records again."""
+    _, target, prompts, _ = family
+    with torch.no_grad():
+        _, _, cache = _hf.forward(target, prompts[0][None])
+        for token in range(2 * TARGET_WINDOW):
+            _hf.forward(target, torch.tensor([[token % (SMALL_VOCAB - 1)]]), cache, rollback=False)
+            for layer in cache.layers:
+                if getattr(layer, "is_sliding", False):
+                    assert layer.keys.shape[2] <= TARGET_WINDOW - 1
+                if hasattr(layer, "conv_states"):
+                    assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0]
+        _hf.forward(target, torch.tensor([[1, 2, 3]]), cache)
+        assert all(layer.record_past for layer in cache.layers if hasattr(layer, "record_past"))
+
+
 @pytest.mark.parametrize("policy", BUILT)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lossless_batch_three(family, drafters, fmt, policy):

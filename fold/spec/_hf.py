@@ -105,7 +105,8 @@ class _Replay:
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _snapshot(cache) -> dict:
+def copy_linear_states(cache) -> dict:
+    """``{layer index: (conv state, recurrent state)}`` copies of every linear-attention layer."""
     out = {}
     for i, layer in enumerate(_layers(cache)):
         if _layer_kind(layer) == "linear" and layer.has_previous_state[0]:
@@ -113,19 +114,26 @@ def _snapshot(cache) -> dict:
     return out
 
 
-def forward(target, ids, cache=None, position_ids=None):
+def forward(target, ids, cache=None, position_ids=None, rollback: bool = True):
     """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache).
 
-    After the call the cache records what :func:`crop` needs to roll back any layer type."""
+    With ``rollback`` (a verification) the sliding and linear-attention layers record this forward
+    and the linear layers' states are copied first, so that :func:`crop` can drop any suffix of
+    ``ids``; without it (plain decoding) nothing is recorded or copied. A forward on a cache whose
+    last recorded forward was never cropped first commits it (``crop`` to its full length)."""
     kwargs = {_cache_kwarg(type(target).forward): cache} if cache is not None else {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
-    snapshots = _snapshot(cache) if cache is not None else {}
+    snapshots = {}
+    if cache is not None:
+        if cache in _PENDING or any(getattr(layer, "record_past", False) for layer in _layers(cache)):
+            crop(cache, seq_length(cache))                     # shrink what the last recorded forward kept
+        for layer in _layers(cache):
+            if _layer_kind(layer) in ("sliding", "linear"):
+                layer.record_past = rollback
+        snapshots = copy_linear_states(cache) if rollback else {}
     out = target(ids, use_cache=True, output_hidden_states=True, **kwargs)
     new_cache = out["cache"] if "cache" in out else out["past_key_values"]
-    for layer in _layers(new_cache):
-        if _layer_kind(layer) in ("sliding", "linear") and not layer.record_past:
-            layer.activate_past_recording()        # after the prefill: the prompt is never kept in full
     if snapshots:
         _PENDING[new_cache] = _Replay(target, snapshots, out.hidden_states, ids.shape[1])
     return out.logits, out.hidden_states, new_cache
@@ -173,7 +181,7 @@ def crop(cache, length: int) -> None:
                                    "recurrent state cannot be rolled back")
             if removed:
                 _replay_linear(replay, cache, i, replay.new_tokens - removed)
-            else:
+            elif layer.conv_states[0] is not None:
                 layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
         elif kind == "sliding":
             layer.crop(-removed)                              # crop(0) shrinks back to the window

@@ -336,7 +336,8 @@ def autoregressive(target, input_ids: torch.Tensor, *, max_new_tokens: int, atte
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         while len(new) < max_new_tokens and new[-1] not in eos:
-            logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]], device=ids.device), cache)
+            logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]], device=ids.device), cache,
+                                           rollback=False)
             new.append(_sample(logits[0, -1], temperature, generator))
         decode_s = time.perf_counter() - t1
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))

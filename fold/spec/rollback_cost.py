@@ -69,9 +69,9 @@ def measure(config, *, prompt: int, block: int, repeats: int, dtype):
         times = [round_trip() for _ in range(repeats)]
         rows[kept] = (1e3 * min(t[0] for t in times), 1e3 * min(t[1] for t in times))
         cache = times[-1][2]
-    snapshot = _hf._snapshot(cache)
+    snapshot = _hf.copy_linear_states(cache)
     copy_bytes = sum(c.numel() * c.element_size() + r.numel() * r.element_size() for c, r in snapshot.values())
-    copy_ms = _ms(lambda: _hf._snapshot(cache), repeats)
+    copy_ms = _ms(lambda: _hf.copy_linear_states(cache), repeats)
     return rows, copy_bytes, len(snapshot), copy_ms
 
 
