@@ -354,13 +354,17 @@ def test_a_drafter_that_does_not_fit_fails_naming_the_field(tmp_path, fmt, chang
     assert words in str(info.value)
 
 
-def test_sliding_layers_can_be_made_non_causal(tmp_path):
+def test_sliding_layers_causality_and_window_fields(tmp_path):
     target = make_target("gemma4", tmp_path / "t", vocab=SMALL_VOCAB)
     path = make_drafter(tmp_path / "d", target, "zlab-swa")
     assert spec.load_drafter(path, target).cfg.layer_causal == [True, False]
     _rewrite(path, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 11, "causal": False})
     cfg = spec.load_drafter(path, target).cfg
     assert cfg.layer_causal == [False, False] and cfg.layer_windows == [DRAFTER_WINDOW, None]
+    _rewrite(path, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 11, "swa_window_size": 3},
+             use_sliding_window=None)                                   # vLLM's window field wins
+    cfg = spec.load_drafter(path, target).cfg
+    assert cfg.layer_causal == [True, False] and cfg.layer_windows == [3, None]
 
 
 def test_glide_refuses_sliding_and_linear_targets(tmp_path):

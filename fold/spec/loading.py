@@ -85,8 +85,8 @@ def _dflash_config(config: dict, path: Path) -> dict:
 
 
 def _layer_rules(config: dict, dflash: dict, layers: int, path: Path, zlab: bool):
-    """Per layer ``(sliding window or None, causal)`` from ``layer_types``, ``sliding_window``,
-    ``use_sliding_window``, ``is_causal`` / ``dflash_config.causal`` (serving engines' rule: an
+    """Per layer ``(sliding window or None, causal)`` from ``layer_types``, ``sliding_window`` (or
+    ``dflash_config.swa_window_size``), ``use_sliding_window``, ``is_causal`` / ``dflash_config.causal`` (serving engines' rule: an
     explicit ``is_causal`` wins, then ``dflash_config.causal``, else a layer is causal exactly when
     it is a sliding-window layer; the window counts the current token)."""
     where = f"{path}/config.json"
@@ -105,7 +105,9 @@ def _layer_rules(config: dict, dflash: dict, layers: int, path: Path, zlab: bool
         raise ValueError(f"{where}: layer_types {types} has sliding_attention layers, but DeepSpec drafters read "
                          "every layer as full, bidirectional attention")
     window = None
-    if any(sliding):
+    if any(sliding) and dflash.get("swa_window_size") is not None:      # vLLM: it overrides sliding_window
+        window = _int(dflash["swa_window_size"], "dflash_config.swa_window_size", path, 1)
+    elif any(sliding):
         if config.get("model_type", "qwen3") in ("qwen3", "qwen2") and config.get("use_sliding_window") is not True:
             raise ValueError(f"{where}: layer_types has sliding_attention layers but use_sliding_window is "
                              f"{config.get('use_sliding_window')!r}; a {config.get('model_type', 'qwen3')} config "
