@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import os
@@ -19,8 +18,8 @@ TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
 MAX_ALPHA = 1e4
 
 
-def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False, softmax_scale=None,
-              return_lse=False, backend="auto"):
+def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
+              softmax_scale=None, return_lse=False, backend="auto", check_ranges=None):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -43,13 +42,19 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
         q: [batch, n_q, heads_q, head_dim] the block's queries before RoPE.
         k, v: [batch, max_len, heads_kv, head_dim] the cache, the block's own keys/values as the last
             ``n_q`` valid entries. Entries at and beyond ``cache_seqlens[b]`` are never read.
-            ``heads_q`` must be a multiple of ``heads_kv`` (GQA).
+            ``heads_q`` must be a multiple of ``heads_kv`` (GQA). With ``block_table``: pages
+            ``[num_blocks, page_size, heads_kv, head_dim]``.
         window: W >= 0, the number of context entries kept at exact positions.
         rope: a :class:`fold.Rope`; ``rope.rotary_dim <= head_dim``.
         alpha: concentration factor of the far memory, in ``[1, 1e4]``. Default: 2.0.
         cache_seqlens: [batch] integer tensor (or a list of ints) of valid lengths,
-            ``n_q <= L <= max_len``. Default: every sequence has ``max_len`` entries. The values are
-            checked unless a CUDA graph is being captured.
+            ``n_q <= L <= max_len``. Default: every sequence has ``max_len`` entries. Required with
+            ``block_table``.
+        block_table: [batch, max_blocks] int32, a paged cache as in flash-attn's
+            ``flash_attn_with_kvcache``: entry j of sequence b lives at
+            ``k[block_table[b, j // page_size], j % page_size]`` (any page size >= 1; powers of two
+            from 16 up are fast), and ``max_len = max_blocks * page_size``. Paging changes which address
+            is read and nothing else. Default: ``None``, a contiguous cache.
         keys_rotated: ``False``: ``k`` holds unrotated keys (one cache serves both branches).
             ``True``: ``k`` holds ``R_j k_j``, as engines store them; the far branch un-rotates
             them in the kernel. Both layouts give the same result. Default: ``False``.
@@ -58,6 +63,11 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
             so the result merges with other states through :func:`fold.merge_states`.
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``),
             ``"torch"`` (any device), ``"auto"``: triton on CUDA, torch otherwise.
+        check_ranges: check the values of ``cache_seqlens`` (and the pages ``block_table`` uses)
+            against the cache. Reading them costs a host sync on CUDA, so ``None`` (default) checks on
+            the CPU and skips on CUDA; ``True`` always checks, ``False`` never. Skipped while
+            ``torch.compile`` traces or a CUDA graph captures; shapes, dtypes and devices are always
+            checked.
 
     Returns:
         ``out`` [batch, n_q, heads_q, head_dim] in ``q.dtype``, or ``(out, lse)``. A NaN in ``q`` or
@@ -65,7 +75,9 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
         beyond ``cache_seqlens`` are never read, whatever they hold.
 
     Forward only: there is no backward, so call it under ``torch.no_grad()`` (or on tensors that
-    do not require grad); a call that would need a gradient raises ``ValueError``.
+    do not require grad); a call that would need a gradient raises ``ValueError``. The read is the
+    custom op ``torch.ops.fold.attention``: ``torch.compile(fullgraph=True)`` traces through it and
+    CUDA graphs capture it.
 
     Example::
 
@@ -76,53 +88,46 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rota
         >>> out.shape
         torch.Size([1, 10, 32, 128])
     """
-    q, k, v, cache_seqlens, softmax_scale, backend = _validate(
-        q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax_scale, return_lse, backend)
-    args = dict(window=window, alpha=float(alpha), softmax_scale=softmax_scale, rotary_dim=rope.rotary_dim,
-                interleaved=rope.interleaved, attention_factor=rope.attention_factor,
-                keys_rotated=keys_rotated, return_lse=return_lse)
-    if backend == "torch":
-        from fold._torch_backend import fold_attention_torch
+    args = _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale,
+                     return_lse, backend, check_ranges)
+    from fold._ops import attention_op
 
-        out, lse = fold_attention_torch(q, k, v, rope, cache_seqlens, window=window, alpha=float(alpha),
-                                        softmax_scale=softmax_scale, keys_rotated=keys_rotated, return_lse=return_lse)
-    else:
-        from fold.config_lookup import config_for
-        from fold.kernels.fold_attention import fold_attention_fwd
-
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        k = k if k.stride(-1) == 1 else k.contiguous()
-        v = v if v.stride(-1) == 1 else v.contiguous()
-        inv_freq = rope.inv_freq_on(q.device)
-        config = config_for(q, k, keys_rotated)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            out, lse = fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, config=config, **args)
+    out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
+                            args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],
+                            rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated, args["backend"])
     return (out, lse) if return_lse else out
 
 
-def _check_tensor(name, x, shape_doc):
+def check_tensor(name, x, shape_doc):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
     if x.ndim != 4:
         raise ValueError(f"{name} must have shape {shape_doc} (4 dims), got {tuple(x.shape)}")
 
 
-def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=()):
-    """Shapes, dtypes and devices of ``q`` and a cache ``k, v [batch, max_len, heads_kv, head_dim]``;
-    ``extra`` = ``[(name, tensor)]`` more tensors that must share q's dtype and device.
+def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=(), block_table=None):
+    """Shapes, dtypes and devices of ``q`` and a cache ``k, v``: ``[batch, max_len, heads_kv, head_dim]``,
+    or pages ``[num_blocks, page_size, heads_kv, head_dim]`` with ``block_table [batch, max_blocks]``
+    (int32). ``extra`` = ``[(name, tensor)]`` more tensors that must share q's dtype and device.
     Returns ``(batch, n, heads_q, head_dim, max_len, heads_kv)``."""
-    _check_tensor("q", q, q_doc)
-    _check_tensor(k_name, k, "[batch, max_len, heads_kv, head_dim]")
-    _check_tensor(v_name, v, "[batch, max_len, heads_kv, head_dim]")
+    paged = block_table is not None
+    cache_doc = "[num_blocks, page_size, heads_kv, head_dim]" if paged else "[batch, max_len, heads_kv, head_dim]"
+    check_tensor("q", q, q_doc)
+    check_tensor(k_name, k, cache_doc)
+    check_tensor(v_name, v, cache_doc)
     batch, n, heads_q, head_dim = q.shape
     if min(q.shape) == 0:
         raise ValueError(f"q must have shape {q_doc} with no empty dim, got {tuple(q.shape)}")
-    if k.shape[0] != batch or k.shape[3] != head_dim or k.shape[2] == 0:
+    if paged:
+        if k.shape[3] != head_dim or min(k.shape) == 0:
+            raise ValueError(f"{k_name} must have shape [num_blocks, page_size, heads_kv, head_dim={head_dim}] "
+                             f"with no empty dim (a paged cache), got {tuple(k.shape)}")
+    elif k.shape[0] != batch or k.shape[3] != head_dim or k.shape[2] == 0:
         raise ValueError(f"{k_name} must have shape [batch={batch}, max_len, heads_kv, head_dim={head_dim}], "
                          f"got {tuple(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
-    max_len, heads_kv = k.shape[1], k.shape[2]
+    heads_kv = k.shape[2]
     check_forward_only((("q", q), (k_name, k), (v_name, v), *extra))
     if heads_q % heads_kv:
         raise ValueError(f"heads_q={heads_q} (q.shape[2]) must be a multiple of heads_kv={heads_kv} ({k_name}.shape[2])")
@@ -133,7 +138,18 @@ def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=()
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
-    return batch, n, heads_q, head_dim, max_len, heads_kv
+    if not paged:
+        return batch, n, heads_q, head_dim, k.shape[1], heads_kv
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a [batch, max_blocks] int32 tensor or None, got "
+                        f"{type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32 (flash-attn's convention), got {block_table.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have shape [batch={batch}, max_blocks >= 1], got {tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
+    return batch, n, heads_q, head_dim, block_table.shape[1] * k.shape[1], heads_kv
 
 
 def check_forward_only(tensors) -> None:
@@ -145,11 +161,12 @@ def check_forward_only(tensors) -> None:
                              "require grad; call them under torch.no_grad() or pass detached tensors")
 
 
-def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax_scale, return_lse, backend):
+def _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale, return_lse,
+              backend, check_ranges) -> dict:
     batch, n_q, heads_q, head_dim, max_len, heads_kv = validate_query_and_cache(
-        q, k, v, q_doc="[batch, n_q, heads_q, head_dim]")
+        q, k, v, q_doc="[batch, n_q, heads_q, head_dim]", block_table=block_table)
     if max_len < n_q:
-        raise ValueError(f"k must hold at least n_q={n_q} entries (the block's own), got max_len={max_len}")
+        raise ValueError(f"the cache must hold at least n_q={n_q} entries (the block's own), got max_len={max_len}")
     if isinstance(window, bool) or not isinstance(window, numbers.Integral):
         raise TypeError(f"window must be an int, got {type(window).__name__}")
     if window < 0:
@@ -167,9 +184,11 @@ def _validate(q, k, v, window, rope, alpha, cache_seqlens, keys_rotated, softmax
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     backend = resolve_backend(backend, q)
-    cache_seqlens = _validate_seqlens(cache_seqlens, batch, max_len, q.device, minimum=n_q,
-                                      lower=f"n_q={n_q}", why=" (each sequence holds the block's own n_q entries)")
-    return q, k, v, cache_seqlens, softmax_scale, backend
+    cache_seqlens = validate_seqlens(cache_seqlens, block_table, k, batch, max_len, q.device, check_ranges,
+                                     minimum=n_q, lower=f"n_q={n_q}",
+                                     why=" (each sequence holds the block's own n_q entries)")
+    return dict(q=q, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+                backend=backend)
 
 
 def validate_scale(softmax_scale, head_dim) -> float:
@@ -197,8 +216,22 @@ def resolve_backend(backend, q) -> str:
     return backend
 
 
-def _validate_seqlens(cache_seqlens, batch, max_len, device, *, minimum, lower, why=""):
+def _range_checks_wanted(check_ranges, device) -> bool:
+    if check_ranges not in (None, True, False):
+        raise TypeError(f"check_ranges must be None, True or False, got {check_ranges!r}")
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return False                                    # no host reads while tracing or capturing
+    return device.type != "cuda" if check_ranges is None else check_ranges
+
+
+def validate_seqlens(cache_seqlens, block_table, k, batch, max_len, device, check_ranges, *, minimum, lower, why=""):
+    """``cache_seqlens`` (a [batch] int tensor or list, required with ``block_table``) -> int32 tensor or
+    None; when range checks are wanted (:func:`_range_checks_wanted`), its values and the pages the
+    table uses are checked against the cache."""
     if cache_seqlens is None:
+        if block_table is not None:
+            raise ValueError("cache_seqlens is required with block_table (the pages hold no length)")
+        _range_checks_wanted(check_ranges, device)
         return None
     if isinstance(cache_seqlens, (list, tuple)):
         if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cache_seqlens):
@@ -212,9 +245,18 @@ def _validate_seqlens(cache_seqlens, batch, max_len, device, *, minimum, lower, 
         raise ValueError(f"cache_seqlens must have shape [batch={batch}], got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens must be on q's device {device}, got {cache_seqlens.device}")
-    capturing = cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:
+    if _range_checks_wanted(check_ranges, device):
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < minimum or hi > max_len:
-            raise ValueError(f"cache_seqlens must lie in [{lower}, max_len={max_len}]{why}, got values in [{lo}, {hi}]")
+            within = f" (the {block_table.shape[1]} pages of {k.shape[1]} entries block_table holds)" \
+                if block_table is not None else ""
+            raise ValueError(f"cache_seqlens must lie in [{lower}, max_len={max_len}]{why}{within}, "
+                             f"got values in [{lo}, {hi}]")
+        if block_table is not None:
+            page = k.shape[1]
+            used = torch.arange(block_table.shape[1], device=device)[None, :] * page < cache_seqlens[:, None].long()
+            pages = block_table[used]
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= k.shape[0]):
+                raise ValueError(f"block_table entries of the pages in use must lie in [0, num_blocks={k.shape[0]}), "
+                                 f"got values in [{int(pages.min())}, {int(pages.max())}]")
     return cache_seqlens.contiguous()

@@ -29,7 +29,7 @@ BAD = [
     (dict(k=torch.randn(3, 40, 2, 32)), ValueError, "k must have shape [batch=2"),
     (dict(v=torch.randn(2, 39, 2, 32)), ValueError, "v must have the shape of k"),
     (dict(k=torch.randn(2, 40, 3, 32), v=torch.randn(2, 40, 3, 32)), ValueError, "heads_q=4 (q.shape[2]) must be a multiple of heads_kv=3"),
-    (dict(k=torch.randn(2, 3, 2, 32), v=torch.randn(2, 3, 2, 32)), ValueError, "k must hold at least n_q=4 entries"),
+    (dict(k=torch.randn(2, 3, 2, 32), v=torch.randn(2, 3, 2, 32)), ValueError, "the cache must hold at least n_q=4 entries"),
     (dict(q=torch.randn(2, 4, 4, 32).to(torch.int32)), TypeError, "q must be float16, bfloat16, float32 or float64"),
     (dict(v=torch.randn(2, 40, 2, 32, dtype=torch.float16)), TypeError, "v must have q's dtype"),
     (dict(cache_seqlens=torch.tensor([3, 40])), ValueError, "cache_seqlens must lie in [n_q=4, max_len=40]"),
