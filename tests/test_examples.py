@@ -99,3 +99,14 @@ def test_generate_example_rejects_missing_files(tmp_path, capsys):
         generate.main(["--target", str(tmp_path), "--drafter", str(fold.demo.DRAFTER_DIR),
                        "--prompt-file", str(tmp_path / "empty.txt")])
     assert "is not a model directory" in capsys.readouterr().err
+
+
+def test_engine_cache_example_matches_the_reference(capsys):
+    import engine_cache
+
+    assert engine_cache.main(["--lengths", "300", "9", "--page-size", "7", "--window", "32", "--n-q", "4",
+                              "--head-dim", "32"]) == 0
+    assert "every request matches the dense reference" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        engine_cache.main(["--heads", "6", "4"])
+    assert "must be a multiple of HKV=4" in capsys.readouterr().err
