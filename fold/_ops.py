@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import torch
 
-from fold.rope import Rope
+from fold.rope import Rope, work_dtype
 
 _ROPES: OrderedDict = OrderedDict()     # the torch path's Rope (and its cos/sin tables) per rotary embedding
 
@@ -30,10 +30,6 @@ def _rope(inv_freq, rotary_dim, interleaved, attention_factor) -> Rope:
             _ROPES.popitem(last=False)
     _ROPES.move_to_end(key)
     return rope
-
-
-def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _unit_stride(*tensors):
@@ -67,7 +63,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
 @attention_op.register_fake
 def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
                     interleaved, attention_factor, keys_rotated, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 
 @torch.library.custom_op("fold::tree_attention", mutates_args=())
@@ -94,4 +90,4 @@ def tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 @tree_attention_op.register_fake
 def _tree_attention_fake(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, block_table, softmax_scale,
                          backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))

@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from fold.merge import merge_pair
-from fold.rope import rotate, rotate_with
+from fold.merge import merge_into, merge_pair
+from fold.rope import rotate, rotate_with, work_dtype
 
 CHUNK_BYTES = 2 << 20   # keys prepared per step (float32), read while still in cache
 MATH_CHUNK = 4096       # entries per step where no fused kernel returns the LSE (non-CPU devices)
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype states and rotations are computed in: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _Cache:
@@ -94,20 +89,6 @@ def _fused_read(q, k, v, scale):
     return state
 
 
-def _merge_into(state, o, lse):
-    """Online merge of a chunk's state into ``state`` (in place where it can). Chunk states are never
-    empty (a fused read of >= 1 key), so the -inf cases of :func:`fold.merge.merge_pair` cannot occur;
-    NaN propagates."""
-    if state is None:
-        return o, lse
-    o_acc, lse_acc = state
-    m = torch.maximum(lse_acc, lse)
-    w_acc, w = torch.exp(lse_acc - m), torch.exp(lse - m)
-    total = w_acc + w
-    o_acc.mul_((w_acc / total)[..., None]).addcmul_(o, (w / total)[..., None])
-    return o_acc, m + torch.log(total)
-
-
 def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int = 1, offset: int = 0):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``; with ``rope`` entry j's key
     is first rotated by ``j + offset`` (``sign=1``) or ``-j`` (``sign=-1``, offset 0), a pure rotation.
@@ -140,7 +121,7 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int
             k = k.contiguous()
         k, v = k.transpose(0, 1), v.transpose(0, 1)                               # [Hkv, C, d]
         o, lse = _fused_read(q_in, k, v if v.stride(-1) == 1 else v.contiguous(), scale)
-        state = _merge_into(state, o.to(q.dtype), lse.to(q.dtype))
+        state = merge_into(state, o.to(q.dtype), lse.to(q.dtype))
     return state
 
 

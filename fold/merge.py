@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fold.rope import work_dtype
+
 
 def merge_pair(o_a, lse_a, o_b, lse_b):
     """The LSE merge of two states, in their dtype (no checks): ``o [..., d]``, ``lse [...]`` natural log."""
@@ -23,6 +25,20 @@ def merge_pair(o_a, lse_a, o_b, lse_b):
     o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / denom[..., None]
     lse = torch.where(empty_a & empty_b, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
     return o, lse
+
+
+def merge_into(state, o, lse):
+    """Online merge of a non-empty state ``(o, lse)`` into ``state`` (``None`` to start), in place where
+    it can: the running read of split or chunked segments. Neither side may be empty (``lse = -inf``);
+    use :func:`merge_pair` where one can be. NaN propagates."""
+    if state is None:
+        return o, lse
+    o_acc, lse_acc = state
+    m = torch.maximum(lse_acc, lse)
+    w_acc, w = torch.exp(lse_acc - m), torch.exp(lse - m)
+    total = w_acc + w
+    o_acc.mul_((w_acc / total)[..., None]).addcmul_(o, (w / total)[..., None])
+    return o_acc, m + torch.log(total)
 
 
 def merge_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
@@ -62,7 +78,7 @@ def merge_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
             raise ValueError(f"outputs[{i}] and lses[{i}] must be on {ref_o.device}")
         if not o.is_floating_point() or not lse.is_floating_point():
             raise TypeError(f"outputs[{i}] and lses[{i}] must be floating point")
-    work = torch.float64 if ref_o.dtype == torch.float64 else torch.float32
+    work = work_dtype(ref_o.dtype)
     o, lse = outputs[0].to(work), lses[0].to(work)
     # +inf is FA2's marker for an empty row; read it as empty
     lse = torch.where(lse == float("inf"), float("-inf"), lse)

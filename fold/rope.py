@@ -8,6 +8,12 @@ import numbers
 import torch
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype fold computes rotations and attention states in: float64 for float64 inputs, float32
+    for everything else (float16/bfloat16 inputs are upcast, as PyTorch's own kernels accumulate)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class Rope:
     """Rotary position embedding parameters.
 
@@ -173,7 +179,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope, *, factor: floa
         >>> rotated = fold.rope.rotate(k, torch.arange(100), rope)
         >>> back = fold.rope.rotate(rotated, -torch.arange(100), rope)   # == k up to rounding
     """
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work = work_dtype(x.dtype)
     angle = positions.to(device=x.device, dtype=torch.float64)[:, None] * rope.inv_freq_on(x.device).double()
     f = rope.attention_factor if factor is None else factor
     return rotate_with(x, (torch.cos(angle) * f).to(work), (torch.sin(angle) * f).to(work), rope, out=out)
