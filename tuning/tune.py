@@ -1,16 +1,20 @@
-"""The sweep: shape classes -> timed candidates -> a per-device JSON cache ``fold`` reads at runtime.
+"""The sweep: shape classes -> timed tiles -> a per-device JSON cache ``fold`` reads at runtime.
 
-Per shape class (head_dim, GQA group, n_q, dtype, key layout) the sweep runs in two stages, since
-the tile shape hardly depends on the length while the split count does:
+A cache entry is a *tile* ``(block_m, block_n, num_warps, num_stages)`` per shape class (head_dim,
+GQA group, n_q, dtype, key layout) and length bucket; the split count is derived at run time by the
+model in :mod:`fold.config_lookup` (it depends on the batch and KV heads, which a class does not fix).
+Per class the sweep runs in two stages, since the tile hardly depends on the length:
 
-1. tiles: every (block_m, block_n, num_warps, num_stages) of the kept space at one reference length,
-   with the heuristic's split count; the ``top_k`` fastest go on;
-2. splits: per length bucket, those tiles x every split count, plus the heuristic config itself,
-   so the winner is never slower than the default under the same timer.
+1. tiles: every tile of the kept space that compiles without spilling registers (checked offline
+   for the GPU's architecture, ``tuning/static_report.py``), at one reference length, each with the
+   model's split count; the ``top_k`` fastest go on;
+2. per length bucket: those tiles with the model's split count, and the heuristic tile; the fastest
+   is the entry. For the winner, every other split count of the space is timed too and the best one
+   is recorded beside the model's (``"splits"`` in the entry), so each run checks the split model.
 
 Timing is injectable: ``timer(config, calls) -> seconds`` where ``calls`` launch the read on
 distinct input copies. :func:`cuda_graph_timer` (the default on a GPU) captures the calls in one
-CUDA graph and times its replays with events; tests pass a fake timer.
+CUDA graph and times its replays with events; tests pass a fake timer (and a fake spill check).
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import triton
 
 import fold
 from fold import config_lookup
-from fold.config_lookup import heuristic_config, shape_key
-from fold.kernels.fold_attention import SPACE, FoldConfig, config_space
+from fold.config_lookup import config_from_tile, heuristic_tile, shape_key
+from fold.kernels.fold_attention import SPACE, TILE_FIELDS, FoldConfig, config_space
 from tuning.workloads import DrafterShape, fold_call, make_inputs
 
 Timer = Callable[[FoldConfig, Sequence[Callable[[], object]]], float]
+SpillCheck = Callable[["ShapeClass", Sequence[tuple]], dict]   # (class, tiles) -> {tile: spill instructions}
 BUCKETS = tuple(2**i for i in range(10, 19))          # 1K ... 256K
 
 
@@ -46,8 +51,9 @@ class ShapeClass:
     n_q: int = 10
     dtype: str = "bfloat16"
     keys_rotated: bool = False
-    heads_kv: int = 8            # for timing only; not part of the key
+    heads_kv: int = 8            # for timing (and the split model) only; not part of the key
     window: int = 2048
+    batch: int = 1               # likewise
 
     def key(self, length: int) -> str:
         return shape_key(head_dim=self.head_dim, group=self.group, n_q=self.n_q, dtype=getattr(torch, self.dtype),
@@ -57,28 +63,43 @@ class ShapeClass:
         return DrafterShape("tuned", n_q=self.n_q, heads_q=self.heads_kv * self.group, heads_kv=self.heads_kv,
                             head_dim=self.head_dim, window=self.window)
 
+    def config(self, tile: tuple, length: int, sms: int, splits: int | None = None) -> FoldConfig:
+        """``tile`` with the split model's count (or ``splits``) for this class at ``length``."""
+        config = config_from_tile(tile, batch=self.batch, heads_kv=self.heads_kv, n_q=self.n_q, group=self.group,
+                                  head_dim=self.head_dim, max_len=length, sms=sms,
+                                  elt_bytes=torch.finfo(getattr(torch, self.dtype)).bits // 8)
+        return config if splits is None else FoldConfig(*tile[:2], splits, *tile[2:])
+
 
 def _tiles(configs: Sequence[FoldConfig]) -> list[tuple]:
-    return sorted({(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in configs})
+    return sorted({c.tile for c in configs})
 
 
-def candidates(cls: ShapeClass, length: int, tiles: Sequence[tuple], device) -> list[FoldConfig]:
-    """Configs timed for one bucket: ``tiles`` x every useful split count, and the heuristic."""
-    out = []
-    for (bm, bn, warps, stages), splits in itertools.product(tiles, SPACE["num_splits"]):
-        if splits == 1 or splits <= triton.cdiv(length, bn):
-            out.append(FoldConfig(bm, bn, splits, warps, stages))
-    default = heuristic_config(batch=1, heads_kv=cls.heads_kv, rows=cls.n_q * cls.group, head_dim=cls.head_dim,
-                               max_len=length, device=device)
-    return out + ([default] if default not in out else [])
+def split_counts(length: int, block_n: int) -> list[int]:
+    """Split counts of the space that leave every split at least one key tile."""
+    return [s for s in SPACE["num_splits"] if s == 1 or s <= triton.cdiv(length, block_n)]
 
 
-def plan(cls: ShapeClass, lengths: Sequence[int], device, top_k: int = 3) -> dict:
-    """What a sweep would time, without timing (``--dry-run``)."""
-    space = config_space(cls.n_q * cls.group, cls.head_dim)
-    tiles = _tiles(space)
+def plan(cls: ShapeClass, lengths: Sequence[int], top_k: int = 3,
+         keep_tile: Callable[[tuple], bool] | None = None) -> dict:
+    """What a sweep would time, without timing (``--dry-run``): the tiles of the tile stage (before
+    spilling ones are dropped) and, per bucket, at most how many configs (top tiles, the heuristic
+    tile, the winner's other split counts)."""
+    tiles = [t for t in _tiles(config_space(cls.n_q * cls.group, cls.head_dim)) if keep_tile is None or keep_tile(t)]
+    smallest_n = min((t[1] for t in tiles), default=16)
     return dict(shape_class=cls.__dict__, tiles=len(tiles), top_k=top_k,
-                buckets={cls.key(n): len(candidates(cls, n, tiles[:top_k], device)) for n in lengths})
+                buckets={cls.key(n): min(top_k, len(tiles)) + 1 + len(split_counts(n, smallest_n)) - 1
+                         for n in lengths})
+
+
+def static_spills(arch: int) -> SpillCheck:
+    """The spill check of a real sweep: compile the class's stage-1 kernels (both branches) of each
+    tile for ``sm_<arch>`` (no launch, in parallel) and count spill stores and loads in their SASS."""
+    from tuning import static_report
+
+    def spills(cls: ShapeClass, tiles: Sequence[tuple]) -> dict:
+        return static_report.stage1_spills(cls.drafter(), cls.keys_rotated, tiles, arch=arch)
+    return spills
 
 
 def cuda_graph_timer(config: FoldConfig, calls: Sequence[Callable[[], object]], replays: int = 10) -> float:
@@ -108,7 +129,7 @@ def cuda_graph_timer(config: FoldConfig, calls: Sequence[Callable[[], object]], 
     return statistics.median(times)
 
 
-def _calls(cls: ShapeClass, length: int, config: FoldConfig, inputs: Sequence[dict]):
+def _calls(cls: ShapeClass, config: FoldConfig, inputs: Sequence[dict]):
     def launcher(inp):
         call = fold_call(inp, "triton")
 
@@ -127,29 +148,51 @@ def _input_copies(cls: ShapeClass, length: int, device, l2_bytes: int = 64 << 20
 
 
 def tune_class(cls: ShapeClass, lengths: Sequence[int], timer: Timer, device, top_k: int = 3,
-               keep_tile: Callable[[FoldConfig], bool] | None = None, log: Callable[[str], None] = print) -> dict:
-    """Entries ``{key: {"config", "us", "heuristic_us"}}`` for one shape class; ``keep_tile`` narrows
-    the tile stage (e.g. to fit a time budget)."""
-    space = [c for c in config_space(cls.n_q * cls.group, cls.head_dim) if keep_tile is None or keep_tile(c)]
+               keep_tile: Callable[[tuple], bool] | None = None, spills: SpillCheck | None = None,
+               sms: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Entries ``{key: {"config", "us", "heuristic_us", "splits"}}`` for one shape class.
+
+    ``keep_tile`` narrows the tile stage (e.g. to fit a time budget); ``spills(cls, tile)`` counts
+    a tile's register spills (tiles with any are never timed; default: none checked); ``sms`` is
+    the SM count the split model assumes (default: the device's).
+    """
+    sms = sms or config_lookup.num_sms(torch.device(device))
+    tiles = [t for t in _tiles(config_space(cls.n_q * cls.group, cls.head_dim)) if keep_tile is None or keep_tile(t)]
+    if spills is not None:
+        counts = spills(cls, tiles)
+        spilling = [t for t in tiles if counts[t]]
+        if spilling:
+            log(f"{cls}: skip {len(spilling)} tiles that spill registers: {spilling}")
+        tiles = [t for t in tiles if t not in spilling]
+    if not tiles:
+        raise ValueError(f"{cls}: no tile of the space is left to time")
+    default = heuristic_tile(rows=cls.n_q * cls.group, head_dim=cls.head_dim)
     ref_len = min(lengths, key=lambda n: abs(math.log2(n / 32768)))
     ref_inputs = _input_copies(cls, ref_len, device)
-    splits = heuristic_config(batch=1, heads_kv=cls.heads_kv, rows=cls.n_q * cls.group, head_dim=cls.head_dim,
-                              max_len=ref_len, device=device).num_splits
-    tile_times = {}
-    for tile in _tiles(space):
-        config = FoldConfig(tile[0], tile[1], splits, tile[2], tile[3])
-        tile_times[tile] = timer(config, _calls(cls, ref_len, config, ref_inputs))
+
+    def time_config(config, inputs):
+        return timer(config, _calls(cls, config, inputs))
+
+    tile_times = {t: time_config(cls.config(t, ref_len, sms), ref_inputs) for t in tiles}
     best_tiles = sorted(tile_times, key=tile_times.get)[:top_k]
     log(f"{cls}: best tiles at {ref_len}: {best_tiles}")
     entries = {}
     for length in lengths:
         inputs = ref_inputs if length == ref_len else _input_copies(cls, length, device)
-        default = heuristic_config(batch=1, heads_kv=cls.heads_kv, rows=cls.n_q * cls.group, head_dim=cls.head_dim,
-                                   max_len=length, device=device)
-        times = {c: timer(c, _calls(cls, length, c, inputs)) for c in candidates(cls, length, best_tiles, device)}
+        times = {t: time_config(cls.config(t, length, sms), inputs) for t in dict.fromkeys([*best_tiles, default])}
         best = min(times, key=times.get)
-        entries[cls.key(length)] = dict(config=best.as_dict(), us=times[best] * 1e6, heuristic_us=times[default] * 1e6)
-        log(f"  {cls.key(length)}: {best} {times[best] * 1e6:.1f} us (heuristic {times[default] * 1e6:.1f} us)")
+        model = cls.config(best, length, sms).num_splits
+        split_times = {s: time_config(cls.config(best, length, sms, splits=s), inputs)
+                       for s in split_counts(length, best[1]) if s != model}
+        split_times[model] = times[best]
+        best_split = min(split_times, key=split_times.get)
+        entries[cls.key(length)] = dict(
+            config=dict(zip(TILE_FIELDS, best)), us=times[best] * 1e6, heuristic_us=times[default] * 1e6,
+            splits=dict(model=model, best=best_split, best_us=split_times[best_split] * 1e6, programs=cls.batch *
+                        cls.heads_kv * triton.cdiv(cls.n_q * cls.group, best[0]), sms=sms))
+        log(f"  {cls.key(length)}: tile {best} {times[best] * 1e6:.1f} us with the model's {model} splits "
+            f"(best split {best_split}: {split_times[best_split] * 1e6:.1f} us; heuristic tile "
+            f"{times[default] * 1e6:.1f} us)")
     return entries
 
 
@@ -169,13 +212,13 @@ def write_cache(out_dir: Path, device, entries: dict, timer_name: str) -> Path:
     meta = metadata(device, timer_name)
     path = out_dir / f"{meta['device']}.json"
     merged = {}
-    if path.is_file():
+    if path.is_file():                          # keep the old file's valid entries if tuned for these kernels
         try:
-            old = json.loads(path.read_text())
-            if all(old["_metadata"].get(k) == meta[k] for k in ("device", "kernel_hash", "space_hash")):
-                merged = old["entries"]
-        except (ValueError, KeyError):
-            pass
+            old_meta, old_entries, _, old = config_lookup.read_cache_file(path)
+        except config_lookup.CacheError:
+            old_meta, old_entries = {}, {}
+        if all(old_meta.get(k) == meta[k] for k in ("device", "kernel_hash", "space_hash")):
+            merged = {key: old["entries"][key] for key in old_entries}
     merged.update(entries)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -186,15 +229,20 @@ def write_cache(out_dir: Path, device, entries: dict, timer_name: str) -> Path:
 
 
 def tune(classes: Sequence[ShapeClass], lengths: Sequence[int], out_dir: Path, *, timer: Timer | None = None,
-         device=None, top_k: int = 3, keep_tile: Callable[[FoldConfig], bool] | None = None,
-         log: Callable[[str], None] = print) -> Path:
-    """Sweep every class over ``lengths`` and write the cache; returns its path."""
+         device=None, top_k: int = 3, keep_tile: Callable[[tuple], bool] | None = None,
+         spills: SpillCheck | None = None, log: Callable[[str], None] = print) -> Path:
+    """Sweep every class over ``lengths`` and write the cache; returns its path. On a GPU the
+    default timer is :func:`cuda_graph_timer` and the default spill check :func:`static_spills`."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if timer is None:
         if device.type != "cuda":
             raise ValueError("timing needs a GPU (the interpreter's timings mean nothing); use --dry-run on a CPU")
         timer = cuda_graph_timer
+        if spills is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            spills = static_spills(10 * major + minor)
     entries = {}
     for cls in classes:
-        entries.update(tune_class(cls, lengths, timer, device, top_k=top_k, keep_tile=keep_tile, log=log))
+        entries.update(tune_class(cls, lengths, timer, device, top_k=top_k, keep_tile=keep_tile, spills=spills,
+                                  log=log))
     return write_cache(out_dir, device, entries, getattr(timer, "__name__", type(timer).__name__))

@@ -178,9 +178,11 @@ def fold_fwd_kernel_prologue(
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, ROT_BLOCK_N: tl.constexpr,
 ):
-    # QW, QF: [B, Hkv, N_Q * GROUP, BLOCK_D] in the branch's column order (natural for a branch that
-    # reads keys as they are, pair order [a | b] for the branch that rotates keys); Trig: [2, BLOCK_N, HALF_P]
+    # QW, QF: [B, Hkv, N_Q * GROUP, BLOCK_D] in the key tile's column order (natural, except for the
+    # branch that rotates keys when the pairs do not tile the head dim: pair order [a | b]);
+    # Trig: [2, ROT_BLOCK_N, HALF_P]
     HALF_P: tl.constexpr = BLOCK_D // 2
+    EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
     i_bhm = tl.program_id(0)
     i_b = (i_bhm // (heads_kv * M_TILES)).to(tl.int64)
     i_kvh = ((i_bhm // M_TILES) % heads_kv).to(tl.int64)
@@ -214,9 +216,9 @@ def fold_fwd_kernel_prologue(
     p_f = QF + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     # window at the true positions n + r; far memory at the shared distance D + r
     _rotate_store(p_w, qa, qb, (seq_len - N_Q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
-                  m_row, m_store, PAIR_ORDER=not KEYS_ROTATED, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+                  m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     _rotate_store(p_f, qa, qb, (window + N_Q + o_r)[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
-                  m_row, m_store, PAIR_ORDER=KEYS_ROTATED, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+                  m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
@@ -251,9 +253,9 @@ def _load_rows(p, m_n, m_col, MASK_N: tl.constexpr, MASK_COL: tl.constexpr, UPCA
 @triton.jit
 def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_d, m_d,
             col_a, col_b, m_a, m_b, freq, Trig,
-            MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr, SIGN: tl.constexpr,
+            MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, EVEN_PAIRS: tl.constexpr,
-            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] scaled, in the key
     # tile's column order; o_ws [BM]: the row's first window entry. Unmasked (MASKED=False) only where
     # every entry of every tile is valid and in this branch for every row.
@@ -268,17 +270,32 @@ def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_
         p_v = p_v0 + o_n[:, None].to(tl.int64) * stride_vn + o_d[None, :]
         if ROTATE:
             p_k = p_k0 + o_n[:, None].to(tl.int64) * stride_kn
-            ka = _load_rows(p_k + col_a[None, :], m_n, m_a, MASKED, not EVEN_PAIRS, UPCAST).to(tl.float32)
-            kb = _load_rows(p_k + col_b[None, :], m_n, m_b, MASKED, not EVEN_PAIRS, UPCAST).to(tl.float32)
+            if EVEN_PAIRS:  # one [BN, BLOCK_D] load, split into the pair halves in registers
+                k = _load_rows(p_k + o_d[None, :], m_n, m_d, MASKED, False, UPCAST)
+                if INTERLEAVED:
+                    ka, kb = tl.split(tl.reshape(k, (BLOCK_N, HALF_P, 2)))
+                else:
+                    ka, kb = tl.split(tl.permute(tl.reshape(k, (BLOCK_N, 2, HALF_P)), (0, 2, 1)))
+            else:           # partial rotary or padded dims: the halves by column maps
+                ka = _load_rows(p_k + col_a[None, :], m_n, m_a, MASKED, True, UPCAST)
+                kb = _load_rows(p_k + col_b[None, :], m_n, m_b, MASKED, True, UPCAST)
+            ka = ka.to(tl.float32)
+            kb = kb.to(tl.float32)
             # cos/sin((t0 + i) f) from cos/sin(t0 f) [HALF_P] and the table of cos/sin(i f) [BN, HALF_P]
             cos_t, sin_t = _cos_sin(t0, freq)
-            cos_i = tl.load(p_trig)
-            sin_i = tl.load(p_trig + BLOCK_N * HALF_P)
+            cos_i = tl.load(p_trig, mask=m_n[:, None], other=0.0)   # masked by rows, so it stays in the loop
+            sin_i = tl.load(p_trig + BLOCK_N * HALF_P, mask=m_n[:, None], other=0.0)
             c = cos_t[None, :] * cos_i - sin_t[None, :] * sin_i
-            s = (sin_t[None, :] * cos_i + cos_t[None, :] * sin_i) * SIGN
+            s = sin_t[None, :] * cos_i + cos_t[None, :] * sin_i
+            if not IS_WINDOW:                   # the far branch un-rotates: R_{-j}
+                s = -s
             ra = ka * c - kb * s
             rb = kb * c + ka * s
-            k = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_N, BLOCK_D)).to(q.dtype)  # [a | b]
+            if EVEN_PAIRS and INTERLEAVED:      # back to the natural order
+                k = tl.reshape(tl.join(ra, rb), (BLOCK_N, BLOCK_D))
+            else:                               # natural order (NeoX), or the pair order [a | b]
+                k = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_N, BLOCK_D))
+            k = k.to(q.dtype)
         else:
             k = _load_rows(p_k0 + o_n[:, None].to(tl.int64) * stride_kn + o_d[None, :], m_n, m_d, MASKED,
                            not EVEN_D, UPCAST)
@@ -303,23 +320,23 @@ def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
     tl.store(p_lse, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["max_len", "window", "num_splits"])
+@triton.jit(do_not_specialize=["max_len", "window", "num_splits", "state_offset"])
 def fold_fwd_kernel_stage1(
-    QW, QF, K, V, InvFreq, Trig, SeqLens, OPart, LsePart,
-    stride_wb, stride_wh, stride_wm,
+    Q, K, V, InvFreq, Trig, SeqLens, OPart, LsePart,
+    stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_oh, stride_or, stride_obr, stride_os,
-    stride_lb, stride_lh, stride_lr, stride_lbr,
-    heads_kv, max_len, window, num_splits,
+    stride_ob, stride_oh, stride_or, stride_os,
+    stride_lb, stride_lh, stride_lr,
+    heads_kv, max_len, window, num_splits, state_offset,
     N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROT_BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
+    ROTATE: tl.constexpr, HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # one branch (IS_WINDOW or the far memory) over its entries of one sequence, split in num_splits
+    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row
     HALF_P: tl.constexpr = BLOCK_D // 2
-    FAR_BLOCK_N: tl.constexpr = ROT_BLOCK_N if KEYS_ROTATED else BLOCK_N
-    WIN_BLOCK_N: tl.constexpr = BLOCK_N if KEYS_ROTATED else ROT_BLOCK_N
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
     i_bhm = tl.program_id(0)
@@ -335,7 +352,6 @@ def fold_fwd_kernel_stage1(
     i_hq = i_kvh * GROUP + (o_m % GROUP)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
 
     if HAS_SEQLENS:
         seq_len = tl.load(SeqLens + i_b).to(tl.int32)
@@ -343,90 +359,81 @@ def fold_fwd_kernel_stage1(
         seq_len = max_len
     n_ctx = seq_len - N_Q
     win_lo = n_ctx - window - N_Q + 1       # row r's window starts at win_lo + r
-    far_hi = n_ctx - window                 # entries < far_hi are far for at least one row
     o_ws = win_lo + o_r                     # [BM]
+    if IS_WINDOW:                           # window: [win_lo, L), from a BLOCK_N-aligned start
+        lo = tl.maximum(win_lo, 0) // BLOCK_N * BLOCK_N
+        hi = seq_len
+    else:                                   # far memory: entries < n - W are far for at least one row
+        lo = 0
+        hi = tl.maximum(n_ctx - window, 0)
+    # this split's share of the branch's tiles: balanced to one tile
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    start = lo + (i_split * n_tiles // num_splits) * BLOCK_N
+    end = tl.minimum(lo + ((i_split + 1) * n_tiles // num_splits) * BLOCK_N, hi)
 
-    # this split's share of the sequence's tiles: balanced to one tile, aligned to BLOCK_N
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    start = (i_split * n_tiles // num_splits) * BLOCK_N
-    end = tl.minimum(((i_split + 1) * n_tiles // num_splits) * BLOCK_N, seq_len)
-    p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
-    p_v0 = V + i_b * stride_vb + i_kvh * stride_vh
-    p_q = i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm + o_d[None, :]
-    p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or
-           + i_split * stride_os + o_d[None, :])
-    p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + o_r * stride_lr + i_split
-
-    # far memory: j < win_lo + r, at the shared position; unmasked up to the last tile below win_lo
-    far_end = tl.minimum(end, far_hi)
-    if far_end > start:
+    i_state = state_offset + i_split
+    p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + o_r * stride_lr + i_state
+    if end > start:
+        col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
         freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)
-        q = tl.load(QF + p_q, mask=m_row[:, None], other=0.0)
+        q = tl.load(Q + i_b * stride_qb + i_kvh * stride_qh + o_m[:, None] * stride_qm + o_d[None, :],
+                    mask=m_row[:, None], other=0.0)
+        p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
+        p_v0 = V + i_b * stride_vb + i_kvh * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        main_end = start + tl.maximum(tl.minimum(far_end, win_lo) - start, 0) // FAR_BLOCK_N * FAR_BLOCK_N
-        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, start, main_end, o_ws, o_d, m_d,
-                                col_a, col_b, m_a, m_b, freq, Trig, MASKED=False, IS_WINDOW=False,
-                                ROTATE=KEYS_ROTATED, SIGN=-1.0, BLOCK_N=FAR_BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
-                                EVEN_PAIRS=EVEN_PAIRS, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
-        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, main_end, far_end, o_ws, o_d,
-                                m_d, col_a, col_b, m_a, m_b, freq, Trig, MASKED=True, IS_WINDOW=False,
-                                ROTATE=KEYS_ROTATED, SIGN=-1.0, BLOCK_N=FAR_BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
-                                EVEN_PAIRS=EVEN_PAIRS, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
-        _store_state(p_o + stride_obr, p_l + stride_lbr, m_i, l_i, acc, m_row[:, None] & m_d[None, :], m_row)
-    else:
-        tl.store(p_l + stride_lbr, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_row)
-
-    # window: j >= win_lo + r, at the true positions
-    win_start = tl.maximum(start, tl.maximum(win_lo, 0) // WIN_BLOCK_N * WIN_BLOCK_N)
-    if end > win_start:
-        freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)
-        q = tl.load(QW + p_q, mask=m_row[:, None], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, win_start, end, o_ws, o_d, m_d,
-                                col_a, col_b, m_a, m_b, freq, Trig, MASKED=True, IS_WINDOW=True,
-                                ROTATE=not KEYS_ROTATED, SIGN=1.0, BLOCK_N=WIN_BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
-                                EVEN_PAIRS=EVEN_PAIRS, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
+        if IS_WINDOW:
+            mid = start
+        else:                               # unmasked up to the last whole tile below win_lo
+            mid = start + tl.maximum(tl.minimum(end, win_lo) - start, 0) // BLOCK_N * BLOCK_N
+            m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, start, mid, o_ws, o_d, m_d,
+                                    col_a, col_b, m_a, m_b, freq, Trig, MASKED=False, IS_WINDOW=False,
+                                    ROTATE=ROTATE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
+                                    EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
+                                    DOT_PRECISION=DOT_PRECISION)
+        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, mid, end, o_ws, o_d, m_d,
+                                col_a, col_b, m_a, m_b, freq, Trig, MASKED=True, IS_WINDOW=IS_WINDOW,
+                                ROTATE=ROTATE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                                EVEN_D=EVEN_D, EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
+                                DOT_PRECISION=DOT_PRECISION)
+        p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os
+               + o_d[None, :])
         _store_state(p_o, p_l, m_i, l_i, acc, m_row[:, None] & m_d[None, :], m_row)
-    else:
+    else:                                   # an empty state: its o is never read
         tl.store(p_l, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_row)
 
 
 @triton.jit
 def fold_fwd_kernel_stage2(
     OPart, LsePart, Out, Lse,
-    stride_ob, stride_oh, stride_or, stride_obr, stride_os,
-    stride_lb, stride_lh, stride_lr, stride_lbr,
+    stride_ob, stride_oh, stride_or, stride_os,
+    stride_lb, stride_lh, stride_lr,
     stride_outb, stride_outn, stride_outh,
     stride_lseb, stride_lsen,
-    heads_q, num_splits, inv_alpha,
+    heads_q, far_states, num_states, inv_alpha,
     N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    # one row: both branches' split states as one [2 * BLOCK_S] vector and one [2 * BLOCK_S, BLOCK_D] tile
+    # one row: its states [far splits | window splits] as one [BLOCK_S] vector and one [BLOCK_S, BLOCK_D] tile
     pid = tl.program_id(0)
     i_b = (pid // (heads_q * N_Q)).to(tl.int64)
     i_hq = ((pid // N_Q) % heads_q).to(tl.int64)
     i_r = (pid % N_Q).to(tl.int64)
-    o_x = tl.arange(0, 2 * BLOCK_S)
-    o_s = o_x % BLOCK_S
-    is_far = o_x >= BLOCK_S
-    m_x = o_s < num_splits
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < num_states
+    is_far = o_s < far_states
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
 
-    p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + i_r * stride_lr + is_far.to(tl.int32) * stride_lbr + o_s
-    lse = tl.load(p_l, mask=m_x, other=float("-inf"))                   # [2 * BLOCK_S] base 2
+    lse = tl.load(LsePart + i_b * stride_lb + i_hq * stride_lh + i_r * stride_lr + o_s, mask=m_s,
+                  other=float("-inf"))                                  # [BLOCK_S] base 2
     # per branch: log2 of its mass (the far one in alpha-space, then / alpha)
     m_w = tl.max(tl.where(is_far, float("-inf"), lse), 0)
     m_f = tl.max(tl.where(is_far, lse, float("-inf")), 0)
     m_w = tl.where(m_w == float("-inf"), 0.0, m_w)
     m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
-    m_own = tl.where(is_far, m_f, m_w)
-    e = tl.exp2(lse - m_own)                                            # 0 for empty states
+    e = tl.exp2(lse - tl.where(is_far, m_f, m_w))                       # 0 for empty states
     z_w = tl.sum(tl.where(is_far, 0.0, e), 0)
     z_f = tl.sum(tl.where(is_far, e, 0.0), 0)
     lse_w = tl.where(z_w > 0.0, m_w + tl.log2(tl.where(z_w > 0.0, z_w, 1.0)), float("-inf"))
@@ -436,12 +443,11 @@ def fold_fwd_kernel_stage2(
     w_w = tl.exp2(lse_w - m_safe)                                       # the branches' masses, relative
     w_f = tl.exp2(lse_f - m_safe)
     total = w_w + w_f
-    # each state's weight in the output: its branch's mass x its share of that branch
+    # a state's weight in the output: its branch's mass x its share of that branch
     share = e / tl.where(is_far, tl.where(z_f > 0.0, z_f, 1.0), tl.where(z_w > 0.0, z_w, 1.0))
     w = share * tl.where(is_far, w_f, w_w) / tl.where(total > 0.0, total, 1.0)
-    p_o = (OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or + is_far.to(tl.int32)[:, None] * stride_obr
-           + o_s[:, None] * stride_os + o_d[None, :])
-    o = tl.load(p_o, mask=(m_x & (e > 0.0))[:, None] & m_d[None, :], other=0.0)   # [2 * BLOCK_S, BLOCK_D]
+    p_o = OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or + o_s[:, None] * stride_os + o_d[None, :]
+    o = tl.load(p_o, mask=(m_s & (e > 0.0))[:, None] & m_d[None, :], other=0.0)   # [BLOCK_S, BLOCK_D]
     out = tl.sum(w[:, None] * o, 0)
     tl.store(Out + i_b * stride_outb + i_r * stride_outn + i_hq * stride_outh + o_d,
              out.to(Out.dtype.element_ty), mask=m_d)
@@ -450,37 +456,48 @@ def fold_fwd_kernel_stage2(
         tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * 0.6931471805599453)  # base 2 -> e
 
 
+def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n: int) -> int:
+    """Splits of the window launch: as many as the far memory's (it runs alone, so it should fill the
+    GPU as that does), but at least two tiles each."""
+    entries = min(max_len, window + 2 * n_q - 1 + block_n)   # the window and its alignment to a tile
+    return max(1, min(num_splits, -(-entries // (2 * block_n))))
+
+
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None):
-    """Launch the prologue and both stages. Assumes validated inputs (see ``fold.attention``); returns
-    ``(out, lse or None)``.
+    """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
+    stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
     q [B, n_q, Hq, d]; k, v [B, max_len, Hkv, d] with unit stride in d; inv_freq [rotary_dim/2] fp32 on
     q's device; cache_seqlens [B] int or None; ``out_dtype`` defaults to q's (float32 keeps a state for
-    merging).
+    merging). ``config.num_splits`` splits the far memory; the window gets :func:`window_splits`.
     """
     batch, n_q, heads_q, head_dim = q.shape
     max_len, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     rows = n_q * group
     m_tiles = triton.cdiv(rows, config.block_m)
-    splits = config.num_splits
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
+    # the branch that rotates keys reads at most ROT_BLOCK_N entries per tile
+    block_n_far = min(config.block_n, ROT_BLOCK_N) if keys_rotated else config.block_n
+    block_n_win = config.block_n if keys_rotated else min(config.block_n, ROT_BLOCK_N)
+    far_splits = config.num_splits if max_len - n_q - window > 0 else 0
+    win_splits = window_splits(config.num_splits, max_len, window, n_q, block_n_win)
+    states = far_splits + win_splits
     # the rotary factor f scales q and k alike: q carries f for itself and, with unrotated keys,
     # for the key too (with rotated keys the cache already holds it; un-rotating is a pure rotation)
     q_rot_scale = attention_factor if keys_rotated else attention_factor * attention_factor
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     consts = dict(N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=rotary_dim // 2,
-                  PASS=head_dim - rotary_dim, INTERLEAVED=interleaved, KEYS_ROTATED=keys_rotated,
-                  HAS_SEQLENS=cache_seqlens is not None, M_TILES=m_tiles, BLOCK_M=config.block_m)
-    rot_block_n = min(config.block_n, ROT_BLOCK_N)
+                  PASS=head_dim - rotary_dim, INTERLEAVED=interleaved, HAS_SEQLENS=cache_seqlens is not None,
+                  M_TILES=m_tiles, BLOCK_M=config.block_m)
+    rot_block_n = block_n_win if not keys_rotated else block_n_far
 
-    q_dtype = torch.float32 if upcast else k.dtype
-    qw = torch.empty(batch, heads_kv, rows, block_d, device=q.device, dtype=q_dtype)
+    qw = torch.empty(batch, heads_kv, rows, block_d, device=q.device, dtype=torch.float32 if upcast else k.dtype)
     qf = torch.empty_like(qw)
     trig = torch.empty(2, rot_block_n, block_d // 2, device=q.device, dtype=torch.float32)
-    o_part = torch.empty(batch, heads_q, n_q, 2, splits, head_dim, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(batch, heads_q, n_q, 2, splits, device=q.device, dtype=torch.float32)
+    o_part = torch.empty(batch, heads_q, n_q, states, head_dim, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(batch, heads_q, n_q, states, device=q.device, dtype=torch.float32)
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
     seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointer when unused
@@ -491,28 +508,33 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
         heads_kv, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
-        **consts, ROT_BLOCK_N=rot_block_n, num_warps=4,
+        **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, num_warps=4,
     )
-    fold_fwd_kernel_stage1[(batch * heads_kv * m_tiles, splits)](
-        qw, qf, k, v, inv_freq, trig, seqlens, o_part, lse_part,
-        qw.stride(0), qw.stride(1), qw.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3), o_part.stride(4),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
-        heads_kv, max_len, window, splits,
-        **consts, BLOCK_N=config.block_n, ROT_BLOCK_N=rot_block_n, UPCAST=upcast, DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    for is_window, q_branch, splits, offset, block_n in (
+            (True, qw, win_splits, far_splits, block_n_win), (False, qf, far_splits, 0, block_n_far)):
+        if not splits:
+            continue
+        fold_fwd_kernel_stage1[(batch * heads_kv * m_tiles, splits)](
+            q_branch, k, v, inv_freq, trig, seqlens, o_part, lse_part,
+            q_branch.stride(0), q_branch.stride(1), q_branch.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            heads_kv, max_len, window, splits, offset,
+            **consts, IS_WINDOW=is_window, ROTATE=is_window != keys_rotated, BLOCK_N=block_n, UPCAST=upcast,
+            DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     fold_fwd_kernel_stage2[(batch * heads_q * n_q,)](
         o_part, lse_part, out, lse,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3), o_part.stride(4),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        heads_q, splits, 1.0 / alpha,
+        heads_q, far_splits, states, 1.0 / alpha,
         N_Q=n_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), RETURN_LSE=return_lse,
+        BLOCK_S=max(2, triton.next_power_of_2(states)), RETURN_LSE=return_lse,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out, (lse if return_lse else None)

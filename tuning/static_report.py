@@ -1,0 +1,308 @@
+"""``python -m tuning inspect``: what the kernels cost in registers, spills and shared memory, without a GPU.
+
+Each Triton launch fold would make for a shape is recorded by running the real launcher on ``meta``
+tensors with ``JITFunction.run`` replaced by a recorder (so the arguments, constexprs and launch
+options are exactly the launcher's), then compiled for a target (default ``sm_90``, the H200) with
+Triton's own compiler and the ``ptxas``/``cuobjdump``/``nvdisasm`` shipped in the triton wheel:
+
+- ``registers``: ``REG`` from ``cuobjdump -res-usage``;
+- ``spill_stores`` / ``spill_loads``: ``STL`` / ``LDL`` instructions in the SASS (local memory is
+  only used for spills in these kernels: they have no local arrays);
+- ``shared_bytes``: ``SHARED`` from ``cuobjdump -res-usage`` (static + what Triton requests);
+- ``wgmma``: ``HGMMA`` instructions (Hopper's warpgroup MMA) in the SASS.
+
+Compilation needs no GPU but must run with ``TRITON_INTERPRET`` unset (an interpreted kernel has
+no compiler); :func:`inspect_in_subprocess` runs the report in a clean child process for callers
+that are themselves under the interpreter (the test session).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import triton
+
+H200_SMS = 132
+TRITON_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+@dataclasses.dataclass
+class Launch:
+    """One recorded kernel launch: the JIT function, its arguments, its grid."""
+
+    kernel: object
+    args: tuple
+    kwargs: dict
+    grid: tuple
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Launch]]:
+    """Inside the block, every ``kernel[grid](...)`` is recorded instead of run (no device needed)."""
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("the static report compiles kernels; run it with TRITON_INTERPRET unset "
+                           "(see inspect_in_subprocess)")
+    seen: list[Launch] = []
+    real = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append(Launch(self, args, kwargs, tuple(grid) if not callable(grid) else grid))
+
+    JITFunction.run = record
+    try:
+        yield seen
+    finally:
+        JITFunction.run = real
+
+
+def compile_launch(launch: Launch, arch: int = 90):
+    """Compile a recorded launch for ``sm_<arch>`` as Triton would at that launch (same signature,
+    specialisation on 16-byte alignment and on ints equal to 1, constexprs and options)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs, debug=False)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _tool(name: str, *args: str) -> str:
+    return subprocess.run([str(TRITON_BIN / name), *args], check=True, capture_output=True, text=True).stdout
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """Registers, shared bytes, spill stores/loads and wgmma count of one cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        usage = _tool("cuobjdump", "-res-usage", str(path))
+        sass = _tool("nvdisasm", "-c", str(path))
+    regs = re.search(r"REG:(\d+)", usage)
+    shared = re.search(r"SHARED:(\d+)", usage)
+    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, flags=re.M)
+    return dict(
+        registers=int(regs.group(1)) if regs else None,
+        shared_bytes=int(shared.group(1)) if shared else None,
+        spill_stores=sum(op == "STL" for op in opcodes),
+        spill_loads=sum(op == "LDL" for op in opcodes),
+        wgmma=sum(op == "HGMMA" for op in opcodes),
+        instructions=len(opcodes),
+    )
+
+
+# --- what fold launches for the drafter shapes ------------------------------------------------------------
+
+DEFAULT_LENGTHS = (8192, 32768, 131072)
+TREE_NODES = 16
+
+
+@dataclasses.dataclass
+class Item:
+    """One launch of the report: which read it belongs to and the recorded launch."""
+
+    kernel: str
+    shape: str
+    length: int
+    keys_rotated: bool
+    config: dict
+    launch: Launch
+
+
+def _meta(*shape, dtype):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int = 1,
+                  dtype=torch.bfloat16) -> list[Launch]:
+    """The launches of one ``fold.attention`` read of a ``DrafterShape`` with ``config``."""
+    from fold.kernels.fold_attention import fold_attention_fwd
+
+    q = _meta(batch, shape.n_q, shape.heads_q, shape.head_dim, dtype=dtype)
+    k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=dtype)
+    inv_freq = _meta(shape.head_dim // 2, dtype=torch.float32)
+    with record_launches() as seen:
+        fold_attention_fwd(q, k, k, inv_freq, None, window=shape.window, alpha=2.0,
+                           softmax_scale=shape.head_dim ** -0.5, rotary_dim=shape.head_dim, interleaved=False,
+                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=False, config=config)
+    return seen
+
+
+def tree_launches(shape, length: int, config, *, n_tree: int = TREE_NODES, batch: int = 1,
+                  dtype=torch.bfloat16) -> list[Launch]:
+    """The launches of one ``fold.tree_attention`` read (its cached read, then the tree kernel)."""
+    from fold.kernels.tree_attention import tree_attention_fwd
+
+    q = _meta(batch, n_tree, shape.heads_q, shape.head_dim, dtype=dtype)
+    k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=dtype)
+    kt = _meta(batch, n_tree, shape.heads_kv, shape.head_dim, dtype=dtype)
+    mask = torch.empty(batch, n_tree, n_tree, dtype=torch.bool, device="meta")
+    with record_launches() as seen:
+        tree_attention_fwd(q, k, k, kt, kt, mask, None, softmax_scale=shape.head_dim ** -0.5, return_lse=False,
+                           config=config)
+    return seen
+
+
+def launched_config(shape, length: int, keys_rotated: bool, *, n_q: int | None = None, device: str = "NVIDIA_H200",
+                    sms: int = H200_SMS, dtype=torch.bfloat16):
+    """The stage-1 config fold would launch on ``device`` (its shipped cache entry, else the
+    heuristic) with ``sms`` SMs, for batch 1."""
+    from fold.config_lookup import config_for
+
+    q = _meta(1, n_q or shape.n_q, shape.heads_q, shape.head_dim, dtype=dtype)
+    k = _meta(1, length, shape.heads_kv, shape.head_dim, dtype=dtype)
+    return config_for(q, k, keys_rotated, device=device, sms=sms)
+
+
+def _kernel_name(launch: Launch) -> str:
+    if launch.name == "fold_fwd_kernel_stage1":
+        return f"stage1[{'window' if launch.kwargs['IS_WINDOW'] else 'far'}]"
+    return launch.name.removeprefix("fold_fwd_kernel_")
+
+
+def _launch_config(launch: Launch) -> dict:
+    """The launch's tile and grid: for stage 1 the branch's own BLOCK_N and split count."""
+    kw = launch.kwargs
+    if launch.name == "fold_fwd_kernel_stage1":
+        return dict(block_m=kw["BLOCK_M"], block_n=kw["BLOCK_N"], num_splits=launch.grid[1],
+                    num_warps=kw["num_warps"], num_stages=kw["num_stages"], rotate=kw["ROTATE"])
+    out = {k.lower(): v for k, v in kw.items() if k in ("BLOCK_M", "BLOCK_S", "BLOCK_T", "ROT_BLOCK_N")}
+    out["num_warps"] = kw.get("num_warps", 4)
+    return out
+
+
+def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, tree: bool = True,
+         device: str = "NVIDIA_H200", sms: int = H200_SMS) -> list[Item]:
+    """Every launch fold makes on ``device`` for the drafter shapes x key layouts x lengths (the
+    fused read: prologue, stage 1, stage 2), and for ``fold.tree_attention`` with
+    :data:`TREE_NODES` nodes at each length (its cached read and the tree kernel)."""
+    from tuning.workloads import DRAFTERS
+
+    items = []
+    for name in drafters or DRAFTERS:
+        shape = DRAFTERS[name]
+        for length in lengths:
+            for keys_rotated in layouts:
+                config = launched_config(shape, length, keys_rotated, device=device, sms=sms)
+                for launch in fold_launches(shape, length, keys_rotated, config):
+                    items.append(Item(_kernel_name(launch), name, length, keys_rotated, _launch_config(launch), launch))
+            if tree:
+                config = launched_config(shape, length, True, n_q=TREE_NODES, device=device, sms=sms)
+                for launch in tree_launches(shape, length, config):
+                    kernel = launch.name if launch.name == "tree_fwd_kernel" else f"tree/{_kernel_name(launch)}"
+                    items.append(Item(kernel, name, length, True, _launch_config(launch), launch))
+    return items
+
+
+def report(items: list[Item], *, arch: int = 90, dump: Path | None = None, workers: int | None = None,
+            log: Callable[[str], None] | None = None) -> list[dict]:
+    """Compile every item for ``sm_<arch>`` (each distinct kernel once, ``workers`` at a time) and
+    return one record per item; with ``dump``, write each cubin there under its record's name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(item):
+        compiled = compile_launch(item.launch, arch)
+        return compiled.hash, compiled.asm["cubin"], compiled.metadata.shared
+
+    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
+        compiled = list(pool.map(work, items))
+    resources: dict[str, dict] = {}
+    records = []
+    for item, (digest, cubin, shared) in zip(items, compiled):
+        name = f"{item.kernel.replace('/', '-')}-{digest[:12]}.cubin"
+        if digest not in resources:
+            resources[digest] = cubin_resources(cubin)
+            if dump is not None:
+                Path(dump).mkdir(parents=True, exist_ok=True)
+                (Path(dump) / name).write_bytes(cubin)
+        res = resources[digest]
+        records.append(dict(kernel=item.kernel, shape=item.shape, length=item.length,
+                            keys_rotated=item.keys_rotated, config=item.config, arch=f"sm_{arch}",
+                            registers=res["registers"], spill_stores=res["spill_stores"],
+                            spill_loads=res["spill_loads"], shared_bytes=shared, wgmma=res["wgmma"],
+                            ctas_per_sm=ctas_per_sm(res["registers"], item.config["num_warps"], shared),
+                            cubin=name))
+        if log:
+            log(format_row(records[-1]))
+    return records
+
+
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int, *, shared_per_sm: int = 228 * 1024) -> int:
+    """CTAs of a kernel one Hopper SM holds at once, by registers (allocated per warp in units of
+    256) and shared memory (plus 1 KiB reserved per CTA)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (per_warp * num_warps)
+    by_shared = shared_per_sm // (shared_bytes + 1024)
+    return min(by_registers, by_shared, 32)
+
+
+def stage1_spills(shape, keys_rotated: bool, tiles, *, arch: int = 90, length: int = 32768,
+                  workers: int | None = None) -> dict:
+    """``{tile: spill stores + loads}`` of the stage-1 kernels (window and far launches) of each
+    tile for a drafter shape; 0 means usable. Compiles in parallel, records launches first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fold.kernels.fold_attention import FoldConfig
+
+    launches = {tile: [x for x in fold_launches(shape, length, keys_rotated, FoldConfig(tile[0], tile[1], 4, *tile[2:]))
+                       if x.name == "fold_fwd_kernel_stage1"] for tile in tiles}
+
+    def count(launch):
+        res = cubin_resources(compile_launch(launch, arch).asm["cubin"])
+        return res["spill_stores"] + res["spill_loads"]
+
+    flat = [(tile, launch) for tile, group in launches.items() for launch in group]
+    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
+        counts = list(pool.map(lambda pair: count(pair[1]), flat))
+    out = dict.fromkeys(launches, 0)
+    for (tile, _), n in zip(flat, counts):
+        out[tile] += n
+    return out
+
+
+HEADER = (f"{'shape':<12} {'layout':<9} {'L':>7} {'kernel':<22} {'config':<34} {'regs':>4} {'spill st/ld':>11} "
+          f"{'smem KB':>7} {'wgmma':>5} {'CTA/SM':>6}")
+
+
+def format_row(r: dict) -> str:
+    c = r["config"]
+    if "num_splits" in c:
+        config = (f"m{c['block_m']} n{c['block_n']} s{c['num_splits']} w{c['num_warps']} st{c['num_stages']}"
+                  f"{' rotate' if c['rotate'] else ''}")
+    else:
+        config = " ".join(f"{k}={v}" for k, v in c.items())
+    return (f"{r['shape']:<12} {'rotated' if r['keys_rotated'] else 'unrotated':<9} {r['length']:>7} "
+            f"{r['kernel']:<22} {config:<34} {r['registers']:>4} "
+            f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>11} {r['shared_bytes'] / 1024:>7.1f} "
+            f"{r['wgmma']:>5} {r['ctas_per_sm']:>6}")
+
+
+def inspect_in_subprocess(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run ``python -m tuning inspect ARGS`` in a child without ``TRITON_INTERPRET`` (for callers,
+    such as the test session, whose kernels are interpreted)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), env.get("PYTHONPATH"))))
+    return subprocess.run([sys.executable, "-m", "tuning", "inspect", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=root)
