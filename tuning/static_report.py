@@ -230,7 +230,7 @@ def report(items: list[Item], *, arch: int = 90, dump: Path | None = None, worke
     resources: dict[str, dict] = {}
     records = []
     for item, (digest, cubin, shared) in zip(items, compiled):
-        name = f"{item.kernel.replace('/', '-')}-{digest[:12]}.cubin"
+        name = f"{item.launch.name}-{digest[:12]}.cubin"      # one file per distinct compiled kernel
         if digest not in resources:
             resources[digest] = cubin_resources(cubin)
             if dump is not None:
@@ -298,11 +298,18 @@ def format_row(r: dict) -> str:
             f"{r['wgmma']:>5} {r['ctas_per_sm']:>6}")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict:
+    """This process's environment without ``TRITON_INTERPRET``, with the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    return env
+
+
 def inspect_in_subprocess(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     """Run ``python -m tuning inspect ARGS`` in a child without ``TRITON_INTERPRET`` (for callers,
     such as the test session, whose kernels are interpreted)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), env.get("PYTHONPATH"))))
     return subprocess.run([sys.executable, "-m", "tuning", "inspect", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=root)
+                          timeout=timeout, env=child_env(), cwd=ROOT)

@@ -168,17 +168,17 @@ def _rotate_store(p_out, qa, qb, pos, freq, scale, col_a, col_b, m_a, m_b, m_row
                      mask=m_row[:, None] & (o_d >= HEAD_DIM)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "max_len", "window"])
 def fold_fwd_kernel_prologue(
     Q, InvFreq, SeqLens, QW, QF, Trig,
     stride_qb, stride_qn, stride_qh,
     stride_wb, stride_wh, stride_wm,
-    heads_kv, max_len, window, q_rot_scale, scale_window, scale_far,
-    N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    heads_kv, n_q, max_len, window, q_rot_scale, scale_window, scale_far,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, ROT_BLOCK_N: tl.constexpr,
 ):
-    # QW, QF: [B, Hkv, N_Q * GROUP, BLOCK_D] in the key tile's column order (natural, except for the
+    # QW, QF: [B, Hkv, n_q * GROUP, BLOCK_D] in the key tile's column order (natural, except for the
     # branch that rotates keys when the pairs do not tile the head dim: pair order [a | b]);
     # Trig: [2, ROT_BLOCK_N, HALF_P]
     HALF_P: tl.constexpr = BLOCK_D // 2
@@ -188,7 +188,7 @@ def fold_fwd_kernel_prologue(
     i_kvh = ((i_bhm // M_TILES) % heads_kv).to(tl.int64)
     i_mt = i_bhm % M_TILES
     o_m = i_mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_row = o_m < N_Q * GROUP
+    m_row = o_m < n_q * GROUP
     o_r = o_m // GROUP
     i_hq = i_kvh * GROUP + (o_m % GROUP)
     col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
@@ -215,9 +215,9 @@ def fold_fwd_kernel_prologue(
     p_w = QW + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     p_f = QF + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     # window at the true positions n + r; far memory at the shared distance D + r
-    _rotate_store(p_w, qa, qb, (seq_len - N_Q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
+    _rotate_store(p_w, qa, qb, (seq_len - n_q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
-    _rotate_store(p_f, qa, qb, (window + N_Q + o_r)[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
+    _rotate_store(p_f, qa, qb, (window + n_q + o_r)[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
 
 
@@ -320,7 +320,7 @@ def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
     tl.store(p_lse, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["max_len", "window", "num_splits", "state_offset"])
+@triton.jit(do_not_specialize=["n_q", "max_len", "window", "num_splits", "state_offset"])
 def fold_fwd_kernel_stage1(
     Q, K, V, InvFreq, Trig, SeqLens, OPart, LsePart,
     stride_qb, stride_qh, stride_qm,
@@ -328,8 +328,8 @@ def fold_fwd_kernel_stage1(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
-    heads_kv, max_len, window, num_splits, state_offset,
-    N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    heads_kv, n_q, max_len, window, num_splits, state_offset,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
     ROTATE: tl.constexpr, HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -347,7 +347,7 @@ def fold_fwd_kernel_stage1(
 
     # rows of this program: m = r * GROUP + h
     o_m = i_mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_row = o_m < N_Q * GROUP
+    m_row = o_m < n_q * GROUP
     o_r = o_m // GROUP
     i_hq = i_kvh * GROUP + (o_m % GROUP)
     o_d = tl.arange(0, BLOCK_D)
@@ -357,8 +357,8 @@ def fold_fwd_kernel_stage1(
         seq_len = tl.load(SeqLens + i_b).to(tl.int32)
     else:
         seq_len = max_len
-    n_ctx = seq_len - N_Q
-    win_lo = n_ctx - window - N_Q + 1       # row r's window starts at win_lo + r
+    n_ctx = seq_len - n_q
+    win_lo = n_ctx - window - n_q + 1       # row r's window starts at win_lo + r
     o_ws = win_lo + o_r                     # [BM]
     if IS_WINDOW:                           # window: [win_lo, L), from a BLOCK_N-aligned start
         lo = tl.maximum(win_lo, 0) // BLOCK_N * BLOCK_N
@@ -404,22 +404,22 @@ def fold_fwd_kernel_stage1(
         tl.store(p_l, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "far_states", "num_states"])
 def fold_fwd_kernel_stage2(
     OPart, LsePart, Out, Lse,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
     stride_outb, stride_outn, stride_outh,
     stride_lseb, stride_lsen,
-    heads_q, far_states, num_states, inv_alpha,
-    N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    heads_q, n_q, far_states, num_states, inv_alpha,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     # one row: its states [far splits | window splits] as one [BLOCK_S] vector and one [BLOCK_S, BLOCK_D] tile
     pid = tl.program_id(0)
-    i_b = (pid // (heads_q * N_Q)).to(tl.int64)
-    i_hq = ((pid // N_Q) % heads_q).to(tl.int64)
-    i_r = (pid % N_Q).to(tl.int64)
+    i_b = (pid // (heads_q * n_q)).to(tl.int64)
+    i_hq = ((pid // n_q) % heads_q).to(tl.int64)
+    i_r = (pid % n_q).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < num_states
     is_far = o_s < far_states
@@ -488,7 +488,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     # for the key too (with rotated keys the cache already holds it; un-rotating is a pure rotation)
     q_rot_scale = attention_factor if keys_rotated else attention_factor * attention_factor
     upcast = INTERPRETED and q.dtype == torch.bfloat16
-    consts = dict(N_Q=n_q, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=rotary_dim // 2,
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=rotary_dim // 2,
                   PASS=head_dim - rotary_dim, INTERLEAVED=interleaved, HAS_SEQLENS=cache_seqlens is not None,
                   M_TILES=m_tiles, BLOCK_M=config.block_m)
     rot_block_n = block_n_win if not keys_rotated else block_n_far
@@ -507,7 +507,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         q, inv_freq, seqlens, qw, qf, trig,
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
-        heads_kv, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
+        heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
         **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, num_warps=4,
     )
     for is_window, q_branch, splits, offset, block_n in (
@@ -521,7 +521,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
             v.stride(0), v.stride(1), v.stride(2),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            heads_kv, max_len, window, splits, offset,
+            heads_kv, n_q, max_len, window, splits, offset,
             **consts, IS_WINDOW=is_window, ROTATE=is_window != keys_rotated, BLOCK_N=block_n, UPCAST=upcast,
             DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -532,8 +532,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        heads_q, far_splits, states, 1.0 / alpha,
-        N_Q=n_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        heads_q, n_q, far_splits, states, 1.0 / alpha,
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_S=max(2, triton.next_power_of_2(states)), RETURN_LSE=return_lse,
         num_warps=4 if head_dim >= 128 else 2,
     )
