@@ -57,7 +57,7 @@ def measure(config, *, prompt: int, block: int, repeats: int, dtype):
     ids = torch.randint(0, config.vocab_size, (1, prompt))
     verify = torch.randint(0, config.vocab_size, (1, block))
     rows = {}
-    for kept in (1, block // 2):
+    for kept in (1, block // 2, block):
         def round_trip(kept=kept):
             _, _, cache = _hf.forward(model, ids)
             t0 = time.perf_counter()
