@@ -41,7 +41,7 @@ def target_config(kind: str, vocab: int = VOCAB):
 
 
 def make_target(kind: str, path, seed: int = 0, vocab: int = VOCAB):
-    """A tiny causal LM of ``kind`` (see :func:`target_config`), saved with save_pretrained and loaded back (float32)."""
+    """A tiny causal LM of ``kind`` (see :func:`target_config`), saved and loaded back (float32)."""
     torch.manual_seed(seed)
     config = target_config(kind, vocab)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -86,7 +86,8 @@ def _gemma4_backbone(hidden, layers, heads_q, heads_kv, head_dim, inter, n_taps,
             p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
             p + "mlp.down_proj.weight": w(hidden, inter),
             p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
-            p + "pre_feedforward_layernorm.weight": 1 + w(hidden), p + "post_feedforward_layernorm.weight": 1 + w(hidden),
+            p + "pre_feedforward_layernorm.weight": 1 + w(hidden),
+            p + "post_feedforward_layernorm.weight": 1 + w(hidden),
             p + "layer_scalar": torch.tensor([0.5 + 0.1 * i]),
         })
         if not k_eq_v:

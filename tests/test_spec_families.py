@@ -238,7 +238,8 @@ def _dense_block_logits(config, w, target, features, anchor):
         p = f"layers.{i}."
         x = _rms(h, w[p + "input_layernorm.weight"], eps)
         rows = torch.cat([c, x])
-        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(block, heads_q, d), w[p + "self_attn.q_norm.weight"], eps)
+        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(block, heads_q, d), w[p + "self_attn.q_norm.weight"],
+                 eps)
         k_raw = (rows @ w[p + "self_attn.k_proj.weight"].T).view(-1, heads_kv, d)
         k = _rms(k_raw, w[p + "self_attn.k_norm.weight"], eps)
         if gemma:
@@ -251,7 +252,8 @@ def _dense_block_logits(config, w, target, features, anchor):
         if kind == "sliding_attention":                                   # causal, window counts the current token
             qp, kp = pos[n:, None], pos[None, :]
             s = s.masked_fill(~((kp <= qp) & (qp - kp < config["sliding_window"])), float("-inf"))
-        o = torch.einsum("hrj,jhd->rhd", torch.softmax(s, -1), v).reshape(block, -1) @ w[p + "self_attn.o_proj.weight"].T
+        o = torch.einsum("hrj,jhd->rhd", torch.softmax(s, -1), v).reshape(block, -1)
+        o = o @ w[p + "self_attn.o_proj.weight"].T
         if gemma:
             h = h + _rms(o, w[p + "post_attention_layernorm.weight"], eps)
             m = _rms(h, w[p + "pre_feedforward_layernorm.weight"], eps)
@@ -324,7 +326,8 @@ def _rewrite(path, **changes):
 @pytest.mark.parametrize("fmt, changes, error, words", [
     ("gemma4-dspark", dict(global_head_dim=None), ValueError, "has no 'global_head_dim'"),
     ("gemma4-dspark", dict(num_global_key_value_heads=None), ValueError, "has no 'num_global_key_value_heads'"),
-    ("gemma4-dspark", dict(hidden_size_per_layer_input=8), ValueError, "hidden_size_per_layer_input=8 is not supported"),
+    ("gemma4-dspark", dict(hidden_size_per_layer_input=8), ValueError,
+     "hidden_size_per_layer_input=8 is not supported"),
     ("gemma4-dspark", dict(enable_moe_block=True), ValueError, "enable_moe_block=True is not supported"),
     ("gemma4-dspark", dict(hidden_activation="silu"), ValueError, "hidden_activation 'silu' is not supported"),
     ("gemma4-dspark", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}),
@@ -332,8 +335,8 @@ def _rewrite(path, **changes):
     ("gemma4-dspark", dict(final_logit_softcapping=-1), ValueError, "final_logit_softcapping must be a finite number"),
     ("gemma4-dspark", dict(attention_k_eq_v=False, num_key_value_heads=1), ValueError,
      "weights do not match the config: missing ['layers.0.self_attn.v_proj.weight'"),
-    ("gemma4-dspark", dict(global_head_dim=16), ValueError, "weights do not match config.json: "
-                                                            "['layers.0.self_attn.k_norm.weight (32,) (config wants (16,))'"),
+    ("gemma4-dspark", dict(global_head_dim=16), ValueError,
+     "weights do not match config.json: ['layers.0.self_attn.k_norm.weight (32,) (config wants (16,))'"),
     ("dspark", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4), ValueError,
      "DeepSpec drafters read every layer as full"),
     ("zlab-swa", dict(use_sliding_window=False), ValueError, "use_sliding_window is False"),

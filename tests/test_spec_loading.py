@@ -136,8 +136,8 @@ def test_corrupt_safetensors_are_named(tmp_path, target, cut):
 def test_a_missing_shard_is_named(tmp_path, target):
     path = make_drafter(tmp_path / "d", target, "zlab")
     (path / "model.safetensors").rename(path / "shard-1.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "shard-1.safetensors",
-                                                                                  "norm.weight": "shard-2.safetensors"}}))
+    weight_map = {"fc.weight": "shard-1.safetensors", "norm.weight": "shard-2.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ValueError, match="shard-2.safetensors: missing"):
         spec.load_drafter(path, target)
 
@@ -147,7 +147,8 @@ def test_a_missing_shard_is_named(tmp_path, target):
     (dict(dflash_config=[1]), TypeError, "dflash_config must be an object"),
     (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 97}), ValueError,
      "mask_token_id=97 is outside the vocabulary (vocab_size=97)"),
-    (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": -1}), ValueError, "mask_token_id must be an int >= 0"),
+    (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": -1}), ValueError,
+     "mask_token_id must be an int >= 0"),
     (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 96, "block_size": 0}), ValueError,
      "block_size must be an int >= 2, got 0"),
     (dict(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 96, "block_size": 1}), ValueError,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fold
-from fold._torch_backend import _rotate
+from fold.rope import rotate, work_dtype
 from fold.spec import _hf
 from fold.spec.drafter import MLP, RMSNorm
 from fold.spec.tree import expand_level
@@ -81,10 +81,7 @@ class GlideDrafter(nn.Module):
                                                                                           device=w.device))
 
     def _rope(self, x, positions):
-        r = self.cfg.rope
-        work = torch.float32 if x.dtype != torch.float64 else torch.float64
-        return _rotate(x.to(work), positions, r.inv_freq_on(x.device).to(work), r.rotary_dim, r.interleaved,
-                       r.attention_factor).to(x.dtype)
+        return rotate(x.to(work_dtype(x.dtype)), positions, self.cfg.rope).to(x.dtype)
 
     def _heads(self, x, n_heads):
         return x.view(x.shape[0], n_heads, self.cfg.head_dim).transpose(0, 1)           # [H, T, d]

@@ -86,9 +86,9 @@ def _dflash_config(config: dict, path: Path) -> dict:
 
 def _layer_rules(config: dict, dflash: dict, layers: int, path: Path, zlab: bool):
     """Per layer ``(sliding window or None, causal)`` from ``layer_types``, ``sliding_window`` (or
-    ``dflash_config.swa_window_size``), ``use_sliding_window``, ``is_causal`` / ``dflash_config.causal`` (serving engines' rule: an
-    explicit ``is_causal`` wins, then ``dflash_config.causal``, else a layer is causal exactly when
-    it is a sliding-window layer; the window counts the current token)."""
+    ``dflash_config.swa_window_size``), ``use_sliding_window``, ``is_causal`` / ``dflash_config.causal``
+    (serving engines' rule: an explicit ``is_causal`` wins, then ``dflash_config.causal``, else a
+    layer is causal exactly when it is a sliding-window layer; the window counts the current token)."""
     where = f"{path}/config.json"
     types = config.get("layer_types")
     if types is None:

@@ -46,8 +46,9 @@ import numbers
 import torch
 
 import fold
-from fold._torch_backend import _rotate, fold_attention_torch
+from fold._torch_backend import fold_attention_torch
 from fold.attention import BACKENDS, MAX_ALPHA
+from fold.rope import rotate, work_dtype
 from fold.spec.retrieval import CMRRead, InfLLMRead
 
 BUILT = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
@@ -70,16 +71,14 @@ class CachedPlainRead:
         self.count: dict[int, int] = {}                 # layer -> context entries rotated so far
 
     def _rotate(self, x, start, work):
-        # x [T, Hkv, d] at positions start .. start + T - 1 -> [Hkv, T, d]; angles in float64
-        pos = torch.arange(start, start + x.shape[0], device=x.device, dtype=torch.float64)
-        inv_freq = self.rope.inv_freq_on(x.device).double()
-        return _rotate(x.transpose(0, 1).to(work), pos, inv_freq, self.rope.rotary_dim, self.rope.interleaved,
-                       self.rope.attention_factor)
+        # x [T, Hkv, d] at positions start .. start + T - 1 -> [Hkv, T, d]
+        pos = torch.arange(start, start + x.shape[0], device=x.device)
+        return rotate(x.transpose(0, 1).to(work), pos, self.rope)
 
     def __call__(self, q, k, v, layer):
         _, n_q, heads_q, head_dim = q.shape
         n = k.shape[1] - n_q
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        work = work_dtype(q.dtype)
         done = self.count.get(layer, 0)
         buf = self.rotated.get(layer)
         if buf is None or done > n or buf.shape[1] < n or buf.dtype != work:
@@ -102,14 +101,12 @@ def window_read(q, k, v, *, rope, window, softmax_scale=None):
     n, d_pos = length - n_q, window + n_q
     lo = max(0, n - d_pos + 1)
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    inv_freq = rope.inv_freq_on(q.device).to(work)
-    f = rope.attention_factor
+    work = work_dtype(q.dtype)
     j = torch.arange(lo, length, device=q.device)
     r = torch.arange(n_q, device=q.device)
     # positions relative to the block start n: only differences matter
-    ks = _rotate(k[0, lo:].transpose(0, 1).to(work), j - n, inv_freq, rope.rotary_dim, rope.interleaved, f)
-    qs = _rotate(q[0].transpose(0, 1).to(work), r, inv_freq, rope.rotary_dim, rope.interleaved, f)
+    ks = rotate(k[0, lo:].transpose(0, 1).to(work), j - n, rope)
+    qs = rotate(q[0].transpose(0, 1).to(work), r, rope)
     group = heads_q // heads_kv
     s = torch.einsum("hrd,hjd->hrj", qs, ks.repeat_interleave(group, 0)) * scale          # [Hq, n_q, L']
     s = s.masked_fill(~(j[None, :] > (n + r - d_pos)[:, None]), float("-inf"))
@@ -158,11 +155,9 @@ def rerope_read(q, k, v, *, rope, window, training_length=4096):
     return out
 
 
-def _rotate_rows(x, positions, rope, work):
-    # x [T, H, d] -> [H, T, d] rotated at positions [T] (float64 angles)
-    inv_freq = rope.inv_freq_on(x.device).double()
-    return _rotate(x.transpose(0, 1).to(work), positions.to(torch.float64), inv_freq, rope.rotary_dim,
-                   rope.interleaved, rope.attention_factor)
+def _rotate_rows(x, positions, rope, work, factor=None):
+    # x [T, H, d] -> [H, T, d] rotated at positions [T]
+    return rotate(x.transpose(0, 1).to(work), positions, rope, factor=factor)
 
 
 def sliding_state(q, k, v, *, rope, sliding_window, causal):
@@ -175,7 +170,7 @@ def sliding_state(q, k, v, *, rope, sliding_window, causal):
     _, n_q, heads_q, head_dim = q.shape
     length, heads_kv = k.shape[1], k.shape[2]
     n = length - n_q
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = work_dtype(q.dtype)
     lo = max(0, n - sliding_window + 1)                                                 # oldest entry row 0 sees
     j = torch.arange(lo, length, device=q.device)
     r = torch.arange(n_q, device=q.device)
@@ -220,9 +215,9 @@ def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, b
     n_q, head_dim = q.shape[1], q.shape[-1]
     n = k.shape[1] - n_q
     o_local, lse_local = sliding_state(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_far = _rotate_rows(q[0], window + n_q + torch.arange(n_q, device=q.device), rope, work)
-    q_far = (q_far * rope.attention_factor).transpose(0, 1)[None].to(q.dtype)          # keys unrotated: R_0 k
+    q_far = _rotate_rows(q[0], window + n_q + torch.arange(n_q, device=q.device), rope, work_dtype(q.dtype),
+                         factor=rope.attention_factor ** 2)                              # keys unrotated: R_0 k
+    q_far = q_far.transpose(0, 1)[None].to(q.dtype)
     far = _outside_window_state(q_far, k, v, n=n, n_q=n_q, sliding_window=sliding_window,
                                 softmax_scale=alpha * head_dim ** -0.5, backend=backend)
     if far is None:                                                                     # nothing is far yet
@@ -239,9 +234,9 @@ def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, traini
     n = k.shape[1] - n_q
     q = _rerope_scaled(q, n, training_length)
     o_local, lse_local = sliding_state(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_far = _rotate_rows(q[0], torch.full((n_q,), window + n_q, device=q.device), rope, work)
-    q_far = (q_far * rope.attention_factor).transpose(0, 1)[None].to(q.dtype)
+    q_far = _rotate_rows(q[0], torch.full((n_q,), window + n_q, device=q.device), rope, work_dtype(q.dtype),
+                         factor=rope.attention_factor ** 2)
+    q_far = q_far.transpose(0, 1)[None].to(q.dtype)
     far = _outside_window_state(q_far, k, v, n=n, n_q=n_q, sliding_window=sliding_window,
                                 softmax_scale=head_dim ** -0.5, backend=backend)
     if far is None:
@@ -251,7 +246,7 @@ def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, traini
 
 
 def _rerope_scaled(q, n, training_length):
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = work_dtype(q.dtype)
     p = torch.arange(n, n + q.shape[1], device=q.device, dtype=torch.float64)           # true positions
     q_scale = (torch.log(p + 1) / math.log(training_length)).clamp(min=1.0).to(work)     # [n_q]
     return (q.to(work) * q_scale[None, :, None, None]).to(q.dtype)

@@ -20,12 +20,8 @@ from __future__ import annotations
 import torch
 
 import fold
+from fold.rope import rotate, work_dtype
 from fold.spec import _hf
-from fold._torch_backend import _rotate
-
-
-def _rope_args(rope, work):
-    return rope.inv_freq_on("cpu").to(work), rope.rotary_dim, rope.interleaved
 
 
 class InfLLMRead:
@@ -54,9 +50,7 @@ class InfLLMRead:
         _, n_q, heads_q, head_dim = q.shape
         length, heads_kv = k.shape[1], k.shape[2]
         group, n, d_pos = heads_q // heads_kv, length - n_q, self.window + n_q
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        inv_freq, rotary_dim, interleaved = _rope_args(self.rope, work)
-        inv_freq = inv_freq.to(q.device)
+        work = work_dtype(q.dtype)
         f2 = self.rope.attention_factor ** 2
         scale = head_dim ** -0.5
         k_raw, v_all = k[0].to(work), v[0].to(work)                                    # [L, Hkv, d]
@@ -70,8 +64,8 @@ class InfLLMRead:
         # entries, formed blocks (of entries every row sees as old), the rest not yet in a block
         old_end = max(0, win_lo + n_q - 1)                                             # old for some row
         n_blocks = max(0, (max(0, win_lo) - self.init) // self.block)
-        q_glob = _rotate(q[0].transpose(0, 1).to(work), torch.full((n_q,), d_pos - 1, device=q.device), inv_freq,
-                         rotary_dim, interleaved, f2)                                  # [Hq, n_q, d]
+        q_glob = rotate(q[0].transpose(0, 1).to(work), torch.full((n_q,), d_pos - 1, device=q.device), self.rope,
+                        factor=f2)                                                     # [Hq, n_q, d]
         chosen = list(range(min(self.init, old_end)))
         if n_blocks:
             reps = self._representatives(layer, k_raw, n_blocks, group)
@@ -86,8 +80,8 @@ class InfLLMRead:
         glob = torch.tensor(chosen, dtype=torch.long, device=q.device)
         # window at true distances (relative to n), global at distance D - 1, one softmax
         j_win = torch.arange(max(0, win_lo), length, device=q.device)
-        q_win = _rotate(q[0].transpose(0, 1).to(work), r, inv_freq, rotary_dim, interleaved, f2)
-        k_win = _rotate(k_raw[j_win].transpose(0, 1), j_win - n, inv_freq, rotary_dim, interleaved)
+        q_win = rotate(q[0].transpose(0, 1).to(work), r, self.rope, factor=f2)
+        k_win = rotate(k_raw[j_win].transpose(0, 1), j_win - n, self.rope, factor=1.0)
         s_win = torch.einsum("hrd,hjd->hrj", q_win, k_win.repeat_interleave(group, 0)) * scale
         s_win = s_win.masked_fill(~(j_win[None, :] >= (win_lo + r)[:, None]), float("-inf"))
         s_glob = torch.einsum("hrd,jhd->hrj", q_glob, k_raw[glob].repeat_interleave(group, 1)) * scale
