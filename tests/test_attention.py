@@ -36,13 +36,17 @@ def cases(draw, dtypes, max_len_cap=2500):
 
 
 configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64, 128]), block_n=st.sampled_from([16, 32, 64, 128]),
-                    num_splits=st.sampled_from([1, 2, 3, 4, 8, 16]), num_warps=st.just(4), num_stages=st.just(2))
+                    num_splits=st.sampled_from([1, 2, 3, 4, 8, 16, 128]), num_warps=st.just(4), num_stages=st.just(2))
 
 
 @given(case=cases(dtypes=[torch.float32, torch.float16, torch.bfloat16]), config=configs)
 @example(case=Case(n_q=16, group=8, head_dim=128, max_len=2048, window=64), config=FoldConfig(128, 64, 8, 4, 2))
 @example(case=Case(batch=3, n_q=7, heads_kv=2, group=4, max_len=300, seqlens=(7, 300, 150), window=20,
                    keys_rotated=True), config=FoldConfig(16, 16, 16, 4, 2))
+@example(case=Case(batch=2, n_q=10, heads_kv=1, group=4, head_dim=64, rotary_dim=40, interleaved=True, max_len=700,
+                   seqlens=(700, 90), window=30, keys_rotated=True), config=FoldConfig(64, 64, 128, 4, 2))
+@example(case=Case(batch=2, n_q=4, group=2, head_dim=80, rotary_dim=64, max_len=333, seqlens=(333, 41), window=300),
+         config=FoldConfig(16, 128, 3, 4, 2))
 def test_triton_matches_reference(case, config):
     """The fused kernels (in the interpreter; bf16 through its upcast path) against the float64 reference."""
     with use_config(config):
@@ -207,3 +211,24 @@ def test_head_dims_beyond_powers_of_two(backend, head_dim, rotary_dim):
     case = PROPERTY_CASE.with_(head_dim=head_dim, rotary_dim=rotary_dim, max_len=120, seqlens=(120, 33))
     with use_config(FoldConfig(32, 32, 2, 4, 2)):
         check_against_reference(case, backend=backend)
+
+
+@pytest.mark.parametrize("keys_rotated", [False, True])
+@pytest.mark.parametrize("where", ["q", "far key", "window key", "far value", "window value"])
+def test_triton_propagates_nan_in_valid_inputs(where, keys_rotated):
+    """A NaN in a valid query row, key or value reaches exactly the outputs it reaches in the
+    reference (as in SDPA) instead of being masked away; NaN padding is covered above."""
+    from reference import fold_attention_ref
+
+    case = PROPERTY_CASE.with_(keys_rotated=keys_rotated, seqlens=(200, 150))
+    q, k, v, seqlens = make_inputs(case, pad=0.0)
+    far, win = 3, 150 - case.n_q - 2                   # of sequence 1: a far entry and a window entry
+    if where == "q":
+        q[1, 2, 1] = float("nan")
+    else:
+        x = k if "key" in where else v
+        x[1, far if "far" in where else win, 0, 5] = float("nan")
+    out = fold.attention(q, k, v, **kwargs_of(case, seqlens), backend="triton")
+    want, _ = fold_attention_ref(q, k, v, **kwargs_of(case, seqlens))
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(want))

@@ -103,3 +103,21 @@ def test_bad_input(override, error, words):
     with pytest.raises(error) as info:
         fold.tree_attention(**args)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["q", "cache key", "tree value"])
+def test_triton_propagates_nan_in_valid_inputs_as_the_reference_does(where):
+    """NaN in a node's query, a valid cache key or a node's value reaches the same outputs as in the
+    dense reference (a NaN value spreads to every row there too: 0 * NaN)."""
+    c = dict(batch=1, n_tree=4, mask=torch.ones(1, 4, 4, dtype=torch.bool).tril(), heads_kv=1, group=2,
+             head_dim=16, max_len=40, seqlens=[30], dtype=torch.float32, seed=3)
+    (q, kc, vc, kt, vt), seqlens = make(c, pad=0.0)
+    if where == "q":
+        q[0, 2, 1, 0] = float("nan")
+    elif where == "cache key":
+        kc[0, 7, 0, 3] = float("nan")
+    else:
+        vt[0, 2, 0, 3] = float("nan")
+    out = fold.tree_attention(q, kc, vc, kt, vt, c["mask"], cache_seqlens=seqlens, backend="triton")
+    want, _ = tree_attention_ref(q, kc, vc, kt, vt, c["mask"], cache_seqlens=seqlens)
+    assert torch.isnan(out).any() and torch.equal(torch.isnan(out), torch.isnan(want))

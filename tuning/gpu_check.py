@@ -1,18 +1,29 @@
-"""The one script to run on a lent GPU (under 8 minutes on an H200):
+"""The one script to run on a lent H200 (issue 11, item 4), in under 8 minutes:
 
-(a) every config of the space against the reference, in bf16 and fp16 (real bf16 kernels, not the
-    interpreter's upcast path), within a time budget;
-(b) device copy bandwidth (bytes read + written per second);
-(c) the fused FOLD read at 8K-256K for the drafter shapes: time, achieved bandwidth, and the ratio
-    to one flash full read and to the paper's two-call layout (flash-attn if importable, else
-    torch's CUDA flash kernel);
-(d) tuning: the JSON cache for the drafter classes, written to ``$OUT/configs/<device>.json``;
-(e) everything under ``$OUT`` (``results.json``, ``table.txt``), and the table printed last.
+    OUT=/tmp/out python tuning/gpu_check.py            # everything; results under $OUT
+    python tuning/gpu_check.py --dry-run                # the plan, on any machine (no GPU needed)
 
-    OUT=/tmp/out python tuning/gpu_check.py
-    python tuning/gpu_check.py --verify-budget-s 60 --lengths 8192 131072 --skip-tune
+Sections, in order; each writes ``$OUT/results.json`` when it ends, so a run cut off keeps what is
+done, and records its own failure without stopping the others:
 
-Each section records its own failure and the script goes on, so one run always yields a report.
+1. ``env``: device, SMs, L2, versions, flash-attn.
+2. ``precompile``: every kernel the next sections launch, compiled in parallel into Triton's cache
+   (processes; the later launches then load them), with registers and spills per kernel.
+3. ``verify``: every kept tile (the tuning space narrowed to 4/8 warps and 2/3 stages, without the
+   tiles that spill) x every split count, bf16 and fp16, both key layouts, and ``fold.tree_attention``
+   (bf16), against the float64 reference (``reference.tolerance``); within ``--verify-budget-s``.
+4. ``copy_bandwidth``: a device-to-device copy, bytes read + written per second.
+5. ``fused_read``: per drafter shape and length, fold with unrotated and with rotated keys (the
+   config fold picks: shipped cache, else the heuristic) against torch's (or flash-attn's) flash full
+   read and the paper's two-call layout; TB/s against the copy bandwidth.
+6. ``graphs``: ``fold.attention`` (both layouts) and ``fold.tree_attention`` captured in CUDA graphs;
+   replay equals eager, also after the inputs change in place.
+7. ``tune``: the tile sweep per drafter class and layout, written to ``$OUT/configs/<device>.json``
+   (copy it to ``fold/configs/`` to ship it); each class is saved as soon as it is done.
+8. ``fused_read_tuned``: ``fused_read`` again with the tuned cache, if time is left.
+
+Then ``$OUT/table.txt``. The whole run keeps to ``--budget-s``: a section that would start too late
+is skipped (and says so).
 """
 
 from __future__ import annotations
@@ -26,16 +37,76 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import triton
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+import triton  # noqa: E402
+
 import fold  # noqa: E402
-from tuning.tune import ShapeClass, _input_copies, cuda_graph_timer, tune  # noqa: E402
-from tuning.verify import verify  # noqa: E402
+from fold import config_lookup  # noqa: E402
+from fold.kernels.fold_attention import SPACE, FoldConfig, config_space  # noqa: E402
 from tuning.workloads import DRAFTERS, PROVIDERS, flash_available, fold_call  # noqa: E402
 
+SECTIONS = ("env", "precompile", "verify", "copy_bandwidth", "fused_read", "graphs", "tune", "fused_read_tuned")
+VERIFY_SHAPE = dict(n_q=10, group=4, heads_kv=2, head_dim=128, lengths=(3000, 1234), window=64)
+
+
+def keep_tile(tile) -> bool:
+    """The part of the space a lent GPU's budget allows: 64-row tiles (Hopper's wgmma; every drafter
+    shape has at most 64 rows per KV head), one or two warpgroups, 2-4 stages that fit in shared
+    memory. With n_q a runtime argument, one compile per tile then serves every drafter shape."""
+    block_m, block_n, num_warps, num_stages = tile
+    shared = config_lookup.shared_bytes_estimate(block_m, block_n, num_stages, 128, 2)
+    return block_m == 64 and num_warps in (4, 8) and num_stages in (2, 3, 4) and shared <= 227 * 1024
+
+
+def drafter_classes(drafters, layouts=(False, True)):
+    """One tuning class per distinct (head_dim, group, padded n_q) and layout; n_q 7 and 8 share one."""
+    from tuning.tune import ShapeClass
+
+    seen, classes = set(), []
+    for name in drafters:
+        shape = DRAFTERS[name]
+        for keys_rotated in layouts:
+            cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
+                             keys_rotated=keys_rotated, heads_kv=shape.heads_kv, window=shape.window)
+            if cls.key(1024) not in seen:
+                seen.add(cls.key(1024))
+                classes.append(cls)
+    return classes
+
+
+def kept_tiles(rows: int, head_dim: int) -> list[tuple]:
+    return sorted({c.tile for c in config_space(rows, head_dim) if keep_tile(c.tile)})
+
+
+def verify_configs(tiles, lengths=VERIFY_SHAPE["lengths"]) -> list[FoldConfig]:
+    """Each tile with every split count of the space that the verify cache can use (the largest
+    leave splits empty on the short sequence)."""
+    longest = max(lengths)
+    return [FoldConfig(t[0], t[1], s, t[2], t[3]) for t in tiles for s in SPACE["num_splits"]
+            if s == 1 or s <= -(-longest // t[1])]
+
+
+def plan(args) -> dict:
+    """What a run would do (``--dry-run`` prints it; works without a GPU)."""
+    rows = VERIFY_SHAPE["n_q"] * VERIFY_SHAPE["group"]
+    tiles = kept_tiles(rows, VERIFY_SHAPE["head_dim"])
+    classes = drafter_classes(args.drafters)
+    return dict(
+        sections=[s for s in SECTIONS if s not in args.skip], budget_s=args.budget_s,
+        verify=dict(tiles_before_spill_check=len(tiles), configs=len(verify_configs(tiles)),
+                    checks_per_config=5, budget_s=args.verify_budget_s),
+        fused_read=dict(drafters=list(args.drafters), lengths=args.lengths, layouts=["unrotated", "rotated"],
+                        providers=["fold", "flash full read", "paper's two-call layout"]),
+        tune=dict(classes=[c.key(0).rsplit("-L", 1)[0] for c in classes], lengths=args.tune_lengths,
+                  tiles_per_class={c.key(0).rsplit("-L", 1)[0]: len(kept_tiles(c.n_q * c.group, c.head_dim))
+                                   for c in classes}),
+        out=str(args.out),
+    )
+
+
+# --- measurements -----------------------------------------------------------------------------------------
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Bytes read + written per second of a device-to-device copy."""
@@ -53,45 +124,170 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def time_provider(make, inputs_list) -> float:
-    calls = [make(inputs) for inputs in inputs_list]
-    return cuda_graph_timer(None, calls)
+    from tuning.tune import cuda_graph_timer
+
+    return cuda_graph_timer(None, [make(inputs) for inputs in inputs_list])
 
 
-def fused_read_table(lengths, log) -> list[dict]:
+def fused_read_table(drafters, lengths, log, deadline) -> list[dict]:
+    from tuning.tune import ShapeClass, _input_copies
+
     flash = flash_available()
     full_name = "flash_full" if flash else "torch_flash_full"
     paper_name = "flash_paper_layout" if flash else "torch_flash_paper_layout"
     rows = []
-    for name, shape in DRAFTERS.items():
+    for name in drafters:
+        shape = DRAFTERS[name]
         for length in lengths:
+            if time.monotonic() > deadline:
+                log(f"  fused read: out of time before {name} L={length}")
+                return rows
+            row = dict(drafter=name, length=length, full=full_name, paper=paper_name)
             cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
                              heads_kv=shape.heads_kv, window=shape.window)
-            inputs = _input_copies(cls, length, "cuda")               # cold: copies beyond twice the L2
-            t_fold = time_provider(lambda inp: fold_call(inp, "triton"), inputs)
-            t_full = time_provider(PROVIDERS[full_name], inputs)
-            t_paper = time_provider(PROVIDERS[paper_name], inputs)
-            kv_bytes = 2 * length * shape.heads_kv * shape.head_dim * 2
-            rows.append(dict(drafter=name, length=length, fold_us=t_fold * 1e6, full_us=t_full * 1e6,
-                             paper_us=t_paper * 1e6, fold_tbps=kv_bytes / t_fold / 1e12,
-                             vs_full=t_fold / t_full, vs_paper=t_fold / t_paper, full=full_name, paper=paper_name))
-            log(f"  {name} L={length}: fold {t_fold * 1e6:.1f} us, {full_name} {t_full * 1e6:.1f} us, "
-                f"{paper_name} {t_paper * 1e6:.1f} us")
+            inputs = _input_copies(cls, length, "cuda")                   # cold: copies beyond twice the L2
+            for keys_rotated in (False, True):
+                layout = "rot" if keys_rotated else "unrot"
+                reads = [dict(inp, k=inp["k_rot"], keys_rotated=True) if keys_rotated else inp for inp in inputs]
+                row[f"fold_{layout}_us"] = time_provider(lambda inp: fold_call(inp, "triton"), reads) * 1e6
+                row[f"config_{layout}"] = config_lookup.config_for(reads[0]["q"], reads[0]["k"], keys_rotated).as_dict()
+            row["full_us"] = time_provider(PROVIDERS[full_name], inputs) * 1e6
+            row["paper_us"] = time_provider(PROVIDERS[paper_name], inputs) * 1e6
             del inputs
             torch.cuda.empty_cache()
+            kv_bytes = 2 * length * shape.heads_kv * shape.head_dim * 2
+            row["fold_tbps"] = kv_bytes / row["fold_unrot_us"] / 1e6
+            row["fold_rot_tbps"] = kv_bytes / row["fold_rot_us"] / 1e6
+            row["full_tbps"] = kv_bytes / row["full_us"] / 1e6
+            rows.append(row)
+            log(f"  {name} L={length}: fold {row['fold_unrot_us']:.1f} us (rotated keys {row['fold_rot_us']:.1f}), "
+                f"{full_name} {row['full_us']:.1f} us, {paper_name} {row['paper_us']:.1f} us; "
+                f"config {row['config_unrot']}")
     return rows
 
 
-def main(argv=None) -> int:
+def graph_check(log) -> dict:
+    """Replay of a captured fold.attention / fold.tree_attention equals eager, before and after the
+    inputs change in place."""
+    from tuning.verify import make_tree_case
+    from tuning.workloads import make_inputs
+
+    out = {}
+    shape = DRAFTERS["llama3.1-8b"]
+    for keys_rotated in (False, True):
+        inputs = make_inputs(shape, 32768, device="cuda", keys_rotated=keys_rotated)
+        seqlens = torch.tensor([32768 - 123], dtype=torch.int32, device="cuda")
+
+        def call():
+            return fold.attention(inputs["q"], inputs["k"], inputs["v"], window=inputs["window"], rope=inputs["rope"],
+                                  alpha=inputs["alpha"], keys_rotated=keys_rotated, cache_seqlens=seqlens,
+                                  return_lse=True, backend="triton")
+        out[f"attention_{'rotated' if keys_rotated else 'unrotated'}"] = _replay_equals_eager(
+            call, [inputs["q"], inputs["k"], inputs["v"]])
+    (q, kc, vc, kt, vt, mask), seqlens = make_tree_case(lengths=(20000, 7777), device="cuda")
+
+    def tree_call():
+        return fold.tree_attention(q, kc, vc, kt, vt, mask, cache_seqlens=seqlens, return_lse=True, backend="triton")
+    out["tree_attention"] = _replay_equals_eager(tree_call, [q, kc, vc, kt, vt])
+    log(f"  {out}")
+    return out
+
+
+def _replay_equals_eager(call, tensors) -> dict:
+    eager = call()                                      # compiles and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(captured, eager))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for x in tensors:                                   # new values in the same buffers
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda", dtype=torch.float32).to(x.dtype))
+    graph.replay()
+    eager = call()
+    torch.cuda.synchronize()
+    same_after = all(torch.equal(a, b) for a, b in zip(captured, eager))
+    return dict(replay_equals_eager=same, after_inputs_change=same_after)
+
+
+def precompile(tiles, classes, args, log) -> dict:
+    """Every kernel that verify (varlen, NaN padding, bf16/fp16, both layouts, tree) and tune (each
+    class's tiles) launch, compiled in worker processes into Triton's cache. Returns per spec the
+    registers/spills Triton's compiler reports for sm_90, and which tiles spill (kept out of verify)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from tuning.static_report import compile_read
+
+    verify = dict(heads_q=VERIFY_SHAPE["heads_kv"] * VERIFY_SHAPE["group"], heads_kv=VERIFY_SHAPE["heads_kv"],
+                  head_dim=VERIFY_SHAPE["head_dim"], length=max(VERIFY_SHAPE["lengths"]), splits=4, seqlens=True,
+                  batch=2, arch=90)
+    specs = []
+    for tile in tiles:
+        for dtype in ("bfloat16", "float16"):
+            for keys_rotated in (False, True):
+                specs.append(dict(verify, kind="fold", n_q=VERIFY_SHAPE["n_q"], window=VERIFY_SHAPE["window"],
+                                  keys_rotated=keys_rotated, tile=tile, dtype=dtype))
+        specs.append(dict(verify, kind="tree", n_q=16, window=0, keys_rotated=True, tile=tile, dtype="bfloat16"))
+    seen = set()
+    for cls in classes:                                 # n_q is a runtime argument: one compile per class key
+        for tile in kept_tiles(cls.n_q * cls.group, cls.head_dim):
+            key = (cls.head_dim, cls.group, cls.keys_rotated, cls.dtype, tile, -(-cls.n_q * cls.group // tile[0]))
+            if key in seen:
+                continue
+            seen.add(key)
+            specs.append(dict(kind="fold", n_q=cls.n_q, heads_q=cls.heads_kv * cls.group, heads_kv=cls.heads_kv,
+                              head_dim=cls.head_dim, window=cls.window, length=32768, keys_rotated=cls.keys_rotated,
+                              tile=tile, splits=4, dtype=cls.dtype, seqlens=False, batch=1, arch=90))
+    results = {}
+    with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
+        for spec, res in zip(specs, pool.map(compile_read, specs)):
+            key = f"{spec['kind']}-{spec['dtype']}-{'rot' if spec['keys_rotated'] else 'unrot'}-nq{spec['n_q']}-{spec['tile']}"
+            results[key] = res
+    spilling = sorted({tuple(s["tile"]) for s, r in zip(specs, results.values())
+                       if any(x["spill_stores"] or x["spill_loads"] for x in r)})
+    log(f"  {len(specs)} reads compiled; tiles that spill somewhere: {spilling}")
+    return dict(reads=results, spilling_tiles=[list(t) for t in spilling])
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--verify-budget-s", type=float, default=150.0)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072, 262144])
-    parser.add_argument("--tune-lengths", type=int, nargs="+", default=[1024, 4096, 8192, 32768, 131072, 262144])
-    parser.add_argument("--skip-tune", action="store_true")
-    args = parser.parse_args(argv)
+
+    def positive(kind):
+        def parse(text):
+            value = kind(text)
+            if not (value > 0 and math.isfinite(value)):
+                raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+            return value
+        return parse
+
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_check_out"))
+    parser.add_argument("--budget-s", type=positive(float), default=450.0, help="the whole run")
+    parser.add_argument("--verify-budget-s", type=positive(float), default=60.0)
+    parser.add_argument("--drafters", nargs="+", choices=sorted(DRAFTERS), default=list(DRAFTERS))
+    parser.add_argument("--lengths", type=positive(int), nargs="+", default=[8192, 32768, 131072, 262144])
+    parser.add_argument("--tune-lengths", type=positive(int), nargs="+", default=[8192, 32768, 131072, 262144])
+    parser.add_argument("--skip", nargs="+", choices=SECTIONS, default=[])
+    parser.add_argument("--workers", type=positive(int), default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        print(json.dumps(plan(args), indent=1))
+        return 0
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device")
+        print("gpu_check: no CUDA device (use --dry-run to see the plan)")
         return 2
-    out = Path(os.environ.get("OUT") or "gpu_check_out")
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "log.txt", "w")
 
@@ -100,51 +296,129 @@ def main(argv=None) -> int:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    results = dict(device=torch.cuda.get_device_name(), fold=fold.__version__, torch=torch.__version__,
-                   triton=triton.__version__, cuda=torch.version.cuda, flash_attn=flash_available(), errors={})
+    results = dict(plan=plan(args), errors={}, skipped=[])
 
-    def section(name, fn):
+    def save():
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        os.replace(tmp, out / "results.json")
+
+    def section(name, fn, min_left_s=0.0):
+        if name in args.skip:
+            return
+        if deadline - time.monotonic() < min_left_s:
+            results["skipped"].append(name)
+            log(f"== {name}: skipped, {deadline - time.monotonic():.0f} s left")
+            save()
+            return
         t0 = time.monotonic()
-        log(f"== {name}")
+        log(f"== {name} (at {t0 - start:.0f} s)")
         try:
             results[name] = fn()
         except Exception:  # noqa: BLE001 - one failed section must not cost the others
             results["errors"][name] = traceback.format_exc()
             log(results["errors"][name])
         log(f"   ({time.monotonic() - t0:.0f} s)")
+        save()
 
-    def run_verify():
-        checked, failures = verify(dtypes=("bfloat16", "float16"), device="cuda", budget_s=args.verify_budget_s,
-                                   log=log)
-        return dict(checked=checked, failures=failures)
+    rows = VERIFY_SHAPE["n_q"] * VERIFY_SHAPE["group"]
+    tiles = kept_tiles(rows, VERIFY_SHAPE["head_dim"])
+    classes = drafter_classes(args.drafters)
 
-    section("verify", run_verify)
-    section("copy_bandwidth_tbps", lambda: copy_bandwidth() / 1e12)
-    section("fused_read", lambda: fused_read_table(args.lengths, log))
-    if not args.skip_tune:
-        classes = [ShapeClass(n_q=10), ShapeClass(n_q=10, keys_rotated=True), ShapeClass(n_q=7)]
-        keep_tile = lambda c: c.num_stages in (2, 3) and c.num_warps in (4, 8)  # noqa: E731 - fits the budget
-        section("tune", lambda: str(tune(classes, args.tune_lengths, out / "configs", keep_tile=keep_tile, log=log)))
+    def env():
+        props = torch.cuda.get_device_properties(0)
+        return dict(device=torch.cuda.get_device_name(), sms=props.multi_processor_count,
+                    l2_mb=getattr(props, "L2_cache_size", 0) / 2**20, fold=fold.__version__, torch=torch.__version__,
+                    triton=triton.__version__, cuda=torch.version.cuda, flash_attn=flash_available())
 
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    lines = [f"{results['device']}  torch {results['torch']}  triton {results['triton']}  "
-             f"flash-attn {'yes' if results['flash_attn'] else 'no'}"]
-    if "verify" in results:
-        lines.append(f"verify: {results['verify']['checked']} checks, {len(results['verify']['failures'])} failures")
-    bw = results.get("copy_bandwidth_tbps")
-    if bw:
-        lines.append(f"copy bandwidth: {bw:.2f} TB/s")
-    lines.append(f"{'drafter':<12} {'L':>7} {'fold us':>9} {'TB/s':>6} {'%copy':>6} {'vs full':>8} {'vs paper':>9}")
-    for r in results.get("fused_read", []):
-        pct = 100 * r["fold_tbps"] / bw if bw else math.nan
-        lines.append(f"{r['drafter']:<12} {r['length']:>7} {r['fold_us']:>9.1f} {r['fold_tbps']:>6.2f} {pct:>5.0f}% "
-                     f"{r['vs_full']:>7.2f}x {r['vs_paper']:>8.2f}x")
-    if results["errors"]:
-        lines.append(f"errors in: {', '.join(results['errors'])}")
-    table = "\n".join(lines)
+    section("env", env)
+    section("precompile", lambda: precompile(tiles, classes, args, log), min_left_s=240)
+    spilling = {tuple(t) for t in results.get("precompile", {}).get("spilling_tiles", [])}
+
+    def verify_section():
+        from tuning.verify import verify
+
+        configs = verify_configs([t for t in tiles if t not in spilling])
+        checked, failures = verify(configs, dtypes=("bfloat16", "float16"), device="cuda",
+                                   budget_s=min(args.verify_budget_s, deadline - time.monotonic() - 200), tree=True,
+                                   log=log, **VERIFY_SHAPE)
+        return dict(configs=len(configs), checked=checked, failures=failures)
+
+    section("verify", verify_section, min_left_s=220)
+    section("copy_bandwidth", lambda: copy_bandwidth() / 1e12)
+    section("fused_read", lambda: fused_read_table(args.drafters, args.lengths, log, deadline - 150), min_left_s=160)
+    section("graphs", lambda: graph_check(log), min_left_s=120)
+
+    def tune_section():
+        from tuning.tune import tune
+
+        if "precompile" in results:                     # tiles that spill anywhere, from the precompile
+            def spill_check(cls, tile_list):
+                return {t: int(t in spilling) for t in tile_list}
+        else:
+            log("  tune: no spill check (the precompile did not run)")
+
+            def spill_check(cls, tile_list):
+                return dict.fromkeys(tile_list, 0)
+
+        done = []
+        for cls in classes:                             # one class at a time: each is saved when done
+            if deadline - time.monotonic() < 60:
+                log(f"  tune: out of time before {cls}")
+                break
+            tune([cls], args.tune_lengths, out / "configs", keep_tile=keep_tile, log=log, spills=spill_check)
+            done.append(cls.key(0).rsplit("-L", 1)[0])
+        return dict(path=str(out / "configs"), classes=done)
+
+    section("tune", tune_section, min_left_s=90)
+
+    def tuned_read():
+        os.environ["FOLD_TUNING_DIR"] = str(out / "configs")
+        config_lookup.clear_cache()
+        return fused_read_table(args.drafters, args.lengths, log, deadline - 5)
+
+    if (out / "configs").is_dir():
+        section("fused_read_tuned", tuned_read, min_left_s=40)
+
+    table = render_table(results)
     (out / "table.txt").write_text(table + "\n")
     log(table)
-    return 1 if results["errors"] or results.get("verify", {}).get("failures") else 0
+    log(f"total {time.monotonic() - start:.0f} s")
+    failures = results.get("verify", {}).get("failures")
+    graphs_ok = all(v.get("replay_equals_eager") and v.get("after_inputs_change")
+                    for v in results.get("graphs", {}).values())
+    return 1 if results["errors"] or failures or not graphs_ok else 0
+
+
+def render_table(results: dict) -> str:
+    env = results.get("env", {})
+    lines = [f"{env.get('device', '?')}  torch {env.get('torch', '?')}  triton {env.get('triton', '?')}  "
+             f"flash-attn {'yes' if env.get('flash_attn') else 'no'}"]
+    if "verify" in results:
+        v = results["verify"]
+        lines.append(f"verify: {v['checked']} checks of {v['configs']} configs (x5 reads), {len(v['failures'])} failures")
+    bw = results.get("copy_bandwidth")
+    if bw:
+        lines.append(f"copy bandwidth: {bw:.2f} TB/s")
+    if "graphs" in results:
+        lines.append(f"CUDA graphs: {results['graphs']}")
+    for name, title in (("fused_read", "heuristic / shipped configs"), ("fused_read_tuned", "tuned in this run")):
+        if not results.get(name):
+            continue
+        lines.append(f"\nfused read, {title}:")
+        lines.append(f"{'drafter':<12} {'L':>7} {'fold us':>8} {'rot us':>8} {'TB/s':>5} {'%copy':>6} {'flash us':>8} "
+                     f"{'paper us':>8} {'vs flash':>8} {'vs paper':>8} {'rot/unrot':>9}")
+        for r in results[name]:
+            pct = 100 * r["fold_tbps"] / bw if bw else math.nan
+            lines.append(f"{r['drafter']:<12} {r['length']:>7} {r['fold_unrot_us']:>8.1f} {r['fold_rot_us']:>8.1f} "
+                         f"{r['fold_tbps']:>5.2f} {pct:>5.0f}% {r['full_us']:>8.1f} {r['paper_us']:>8.1f} "
+                         f"{r['fold_unrot_us'] / r['full_us']:>7.2f}x {r['fold_unrot_us'] / r['paper_us']:>7.2f}x "
+                         f"{r['fold_rot_us'] / r['fold_unrot_us']:>8.2f}x")
+    if results.get("skipped"):
+        lines.append(f"skipped (out of time): {', '.join(results['skipped'])}")
+    if results.get("errors"):
+        lines.append(f"errors in: {', '.join(results['errors'])}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -78,11 +78,18 @@ def compile_launch(launch: Launch, arch: int = 90):
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    from triton import knobs
+
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     kernel = launch.kernel
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(launch.kwargs, debug=False)
+    # the options JITFunction.run adds, so that a compile here is a cache hit for a later launch
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
@@ -135,7 +142,7 @@ def _meta(*shape, dtype):
 
 
 def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int = 1,
-                  dtype=torch.bfloat16) -> list[Launch]:
+                  dtype=torch.bfloat16, seqlens=None) -> list[Launch]:
     """The launches of one ``fold.attention`` read of a ``DrafterShape`` with ``config``."""
     from fold.kernels.fold_attention import fold_attention_fwd
 
@@ -143,14 +150,14 @@ def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int 
     k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=dtype)
     inv_freq = _meta(shape.head_dim // 2, dtype=torch.float32)
     with record_launches() as seen:
-        fold_attention_fwd(q, k, k, inv_freq, None, window=shape.window, alpha=2.0,
+        fold_attention_fwd(q, k, k, inv_freq, seqlens, window=shape.window, alpha=2.0,
                            softmax_scale=shape.head_dim ** -0.5, rotary_dim=shape.head_dim, interleaved=False,
-                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=False, config=config)
+                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=True, config=config)
     return seen
 
 
 def tree_launches(shape, length: int, config, *, n_tree: int = TREE_NODES, batch: int = 1,
-                  dtype=torch.bfloat16) -> list[Launch]:
+                  dtype=torch.bfloat16, seqlens=None) -> list[Launch]:
     """The launches of one ``fold.tree_attention`` read (its cached read, then the tree kernel)."""
     from fold.kernels.tree_attention import tree_attention_fwd
 
@@ -159,7 +166,7 @@ def tree_launches(shape, length: int, config, *, n_tree: int = TREE_NODES, batch
     kt = _meta(batch, n_tree, shape.heads_kv, shape.head_dim, dtype=dtype)
     mask = torch.empty(batch, n_tree, n_tree, dtype=torch.bool, device="meta")
     with record_launches() as seen:
-        tree_attention_fwd(q, k, k, kt, kt, mask, None, softmax_scale=shape.head_dim ** -0.5, return_lse=False,
+        tree_attention_fwd(q, k, k, kt, kt, mask, seqlens, softmax_scale=shape.head_dim ** -0.5, return_lse=True,
                            config=config)
     return seen
 
@@ -313,3 +320,33 @@ def inspect_in_subprocess(args: list[str], timeout: float = 900) -> subprocess.C
     such as the test session, whose kernels are interpreted)."""
     return subprocess.run([sys.executable, "-m", "tuning", "inspect", *args], capture_output=True, text=True,
                           timeout=timeout, env=child_env(), cwd=ROOT)
+
+
+def compile_read(spec: dict) -> list[dict]:
+    """Compile (into Triton's cache) every kernel of one read described by ``spec`` (plain values,
+    so a process pool can take it): ``kind`` ("fold" or "tree"), ``n_q``, ``heads_q``, ``heads_kv``,
+    ``head_dim``, ``window``, ``length``, ``keys_rotated``, ``tile``, ``splits``, ``dtype`` (a name),
+    ``seqlens`` (whether cache_seqlens is passed), ``batch``, ``arch``. Returns one
+    ``{kernel, registers, spill_stores, spill_loads}`` per launch."""
+    from fold.kernels.fold_attention import FoldConfig
+    from tuning.workloads import DrafterShape
+
+    dtype = getattr(torch, spec["dtype"])
+    shape = DrafterShape("spec", n_q=spec["n_q"], heads_q=spec["heads_q"], heads_kv=spec["heads_kv"],
+                         head_dim=spec["head_dim"], window=spec["window"])
+    tile = spec["tile"]
+    config = FoldConfig(tile[0], tile[1], spec["splits"], tile[2], tile[3])
+    batch = spec["batch"]
+    seqlens = _meta(batch, dtype=torch.int32) if spec["seqlens"] else None
+    if spec["kind"] == "tree":
+        launches = tree_launches(shape, spec["length"], config, n_tree=spec["n_q"], batch=batch, dtype=dtype,
+                                 seqlens=seqlens)
+    else:
+        launches = fold_launches(shape, spec["length"], spec["keys_rotated"], config, batch=batch, dtype=dtype,
+                                 seqlens=seqlens)
+    out = []
+    for launch in launches:
+        res = cubin_resources(compile_launch(launch, spec["arch"]).asm["cubin"])
+        out.append(dict(kernel=_kernel_name(launch), registers=res["registers"], spill_stores=res["spill_stores"],
+                        spill_loads=res["spill_loads"]))
+    return out

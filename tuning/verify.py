@@ -1,4 +1,9 @@
-"""Every configuration the tuner may pick, checked against the reference (``python -m tuning verify``)."""
+"""Every configuration the tuner may pick, checked against the reference (``python -m tuning verify``).
+
+Each config is run on a varlen batch with NaN padding through ``fold.attention`` (both key layouts)
+and, optionally, ``fold.tree_attention`` (its cached read uses the same stage-1/2 kernels), and
+compared with the float64 reference under ``reference.tolerance``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ import torch
 import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig, config_space
-from reference import apply_rope, fold_attention_ref
+from fold.spec.tree import tree_mask
+from reference import apply_rope, fold_attention_ref, tree_attention_ref
 from reference.tolerance import check_close
 
 
@@ -53,11 +59,49 @@ def check_config(config: FoldConfig, case, want=None) -> None:
     check_close(f"{config} lse", lse, lse64, lse_lp, q.dtype)
 
 
+def make_tree_case(*, n_tree=16, group=4, heads_kv=2, head_dim=128, lengths=(3000, 1234), dtype=torch.bfloat16,
+                   device="cpu", seed=0):
+    """A random tree per sequence over a varlen cache with NaN padding: ``(tensors, seqlens)`` with
+    tensors ``(q, k_cache, v_cache, k_tree, v_tree, tree_mask)`` on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    batch, max_len = len(lengths), max(lengths)
+    heads_q = heads_kv * group
+    q = torch.randn(batch, n_tree, heads_q, head_dim, generator=g)
+    kc, vc = (torch.randn(batch, max_len, heads_kv, head_dim, generator=g) for _ in range(2))
+    kt, vt = (torch.randn(batch, n_tree, heads_kv, head_dim, generator=g) for _ in range(2))
+    for b, length in enumerate(lengths):
+        kc[b, length:] = float("nan")
+        vc[b, length:] = float("nan")
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n_tree)] for _ in range(batch)]
+    mask = torch.stack([tree_mask(p) for p in parents])
+    tensors = tuple(x.to(device, dtype) for x in (q, kc, vc, kt, vt)) + (mask.to(device),)
+    return tensors, torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
+def expected_tree(case):
+    (q, kc, vc, kt, vt, mask), seqlens = case
+    args = [x.cpu() for x in (q, kc, vc, kt, vt, mask)]
+    return (tree_attention_ref(*args, cache_seqlens=seqlens.cpu()),
+            tree_attention_ref(*args, cache_seqlens=seqlens.cpu(), upcast=False))
+
+
+def check_tree_config(config: FoldConfig, case, want=None) -> None:
+    """Raise AssertionError if ``fold.tree_attention``'s cached read with ``config`` is wrong on ``case``."""
+    (q, kc, vc, kt, vt, mask), seqlens = case
+    (out64, lse64), (out_lp, lse_lp) = want or expected_tree(case)
+    with use_config(config):
+        out, lse = fold.tree_attention(q, kc, vc, kt, vt, mask, cache_seqlens=seqlens, return_lse=True,
+                                       backend="triton")
+    check_close(f"{config} tree out", out, out64, out_lp, q.dtype)
+    check_close(f"{config} tree lse", lse, lse64, lse_lp, q.dtype)
+
+
 def verify(configs: Sequence[FoldConfig] | None = None, *, dtypes=("bfloat16", "float16"), device="cpu",
-           sample: int | None = None, seed: int = 0, budget_s: float | None = None, log=print, **case_args):
+           sample: int | None = None, seed: int = 0, budget_s: float | None = None, tree: bool = False, log=print,
+           **case_args):
     """Check ``configs`` (default: the whole kept space, in a seeded random order so a time budget
-    still covers every kind of tile) in each dtype with unrotated keys, and once more with rotated
-    keys. Returns ``(checked, failures)``."""
+    still covers every kind of tile) in each dtype with unrotated keys, once more with rotated keys,
+    and with ``tree`` through ``fold.tree_attention`` in the first dtype. Returns ``(checked, failures)``."""
     rows = case_args.get("n_q", 10) * case_args.get("group", 4)
     configs = list(configs or config_space(rows, case_args.get("head_dim", 128)))
     random.Random(seed).shuffle(configs)
@@ -66,14 +110,22 @@ def verify(configs: Sequence[FoldConfig] | None = None, *, dtypes=("bfloat16", "
     cases = {(dt, rot): make_case(dtype=getattr(torch, dt), keys_rotated=rot, device=device, seed=seed, **case_args)
              for dt in dtypes for rot in (False, True)}
     wants = {key: expected(case) for key, case in cases.items()}
+    tree_keys = ("group", "heads_kv", "head_dim", "lengths")
+    tree_case = make_tree_case(dtype=getattr(torch, dtypes[0]), device=device, seed=seed,
+                               **{k: v for k, v in case_args.items() if k in tree_keys}) if tree else None
+    tree_want = expected_tree(tree_case) if tree else None
     start, checked, failures = time.monotonic(), 0, []
     for config in configs:
-        for dt, rot in [(dt, False) for dt in dtypes] + [(dtypes[0], True)]:
+        checks = [(dt, False) for dt in dtypes] + [(dtypes[0], True)] + ([("tree", None)] if tree else [])
+        for dt, rot in checks:
             if budget_s is not None and time.monotonic() - start > budget_s:
                 log(f"verify: time budget of {budget_s:.0f} s spent after {checked} checks")
                 return checked, failures
             try:
-                check_config(config, cases[dt, rot], wants[dt, rot])
+                if dt == "tree":
+                    check_tree_config(config, tree_case, tree_want)
+                else:
+                    check_config(config, cases[dt, rot], wants[dt, rot])
             except AssertionError as exc:
                 failures.append(f"{dt} keys_rotated={rot}: {exc}")
                 log(f"FAIL {failures[-1]}")

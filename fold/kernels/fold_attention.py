@@ -1,38 +1,41 @@
 """Fused FOLD attention in Triton: configs -> jit kernels -> launcher.
 
-Three launches:
+Four launches, each of one kernel:
 
 - **prologue** (one program per KV head and row tile): each branch's query, rotated at its position
   and scaled by ``softmax_scale * log2(e)`` (and ``alpha`` for the far branch), written once in the
-  cache's dtype; and the cos/sin of ``i * inv_freq`` for the ``BLOCK_N`` offsets ``i`` of a key tile.
-- **stage 1**, over ``(batch * heads_kv * m_tiles, num_splits)`` programs: a program owns
-  ``BLOCK_M`` rows (draft row x GQA head, so each KV tile is loaded once per KV head) and a
-  contiguous, ``BLOCK_N``-aligned share of the sequence's tiles, and writes one partial state per
-  branch. Each KV tile is one ``[BLOCK_N, D]`` V load and one full-width QK dot.
-- **stage 2**, one program per output row: merges the window splits as they are and the far splits
+  cache's dtype; and the cos/sin of ``i * inv_freq`` for the offsets ``i`` of a key tile.
+- **stage 1, window** and **stage 1, far memory**: the same kernel specialised per branch (so each
+  has its own register budget), over ``(batch * heads_kv * m_tiles, splits)`` programs. A program
+  owns ``BLOCK_M`` rows (draft row x GQA head, so each KV tile is loaded once per KV head) and a
+  contiguous, ``BLOCK_N``-aligned share of its branch's tiles (balanced to one tile), and writes one
+  partial state per row. Each KV tile is one ``[BLOCK_N, D]`` K and V load and one full-width QK dot.
+  The far launch is left out when no sequence can have far entries (``max_len - n_q <= W``).
+- **stage 2**, one program per output row: merges the window states as they are and the far states
   in alpha-space (their LSE is ``LSE(alpha * logits)``), divides the far LSE by alpha and merges the
-  two branches.
+  two branches, in one ``[states, D]`` tile.
 
 Per sequence (``L`` entries, ``n = L - n_q``, ``D = W + n_q``, ``win_lo = n - D + 1``) row ``r``
-reads ``j < win_lo + r`` as far memory and ``j >= win_lo + r`` as window. A split runs one loop per
-branch over the part of its range that branch can touch (far: ``j < n - W``; window:
-``j >= win_lo``), so only ``n_q - 1`` entries are read twice and one accumulator is live at a time.
-The far loop is a plain flash-decoding loop without masks up to its last tile below ``win_lo``;
-the masked tail (at most two tiles) and the window loop (at most ``W + 2 n_q`` entries) mask rows.
-A branch with nothing in a split stores only its LSE (``-inf``); stage 2 never loads the ``o`` of
-a state whose weight is zero.
+reads ``j < win_lo + r`` as far memory and ``j >= win_lo + r`` as window. The far launch covers
+``j < n - W`` and the window launch ``j >= win_lo``, so only ``n_q - 1`` entries are read twice.
+The far loop is a plain flash-decoding loop without masks up to its last whole tile below
+``win_lo``; its masked tail (at most two tiles) and the window loop (``W + 2 n_q`` entries at most)
+mask rows. A split with nothing to read stores only its LSE (``-inf``); stage 2 never loads the
+``o`` of a state whose weight is zero.
 
 Exactly one branch rotates keys: the window with an unrotated cache (``R_j k``), the far memory
-with a rotated one (``R_{-j} R_j k``). Such a branch loads the key tile as its two rotary halves
-(``[BLOCK_N, D/2]`` each; pass-through dimensions are pairs of frequency 0), rotates them with
+with a rotated one (``R_{-j} R_j k``), in tiles of at most :data:`ROT_BLOCK_N` entries. It splits the
+loaded ``[BLOCK_N, D]`` tile into the two rotary halves in registers (pass-through dimensions and
+partial rotary: pairs of frequency 0, loaded by column maps), rotates them with
 ``cos/sin((t0 + i) f) = cos/sin(t0 f) (x) cos/sin(i f)`` (``t0 f`` per tile, ``i f`` from the
-prologue's table) and joins them into one ``[BLOCK_N, D]`` tile in the pair order ``[a | b]``; its
-query is written in that order by the prologue. Every angle is reduced exactly in float64 before a
-float32 polynomial (:func:`_cos_sin`): no ``sin``/``cos`` library call, so no slow path with a
-local array, and both key layouts see exact angles at any context length.
+prologue's table) and joins them back into one tile. Every angle is reduced exactly in float64 before
+a float32 polynomial (:func:`_cos_sin`): no libdevice ``sin``/``cos``, so no slow path with a local
+array, and both key layouts see exact angles at any context length.
 
 Partial LSEs are base 2 (logits carry ``log2(e)``); stage 2 converts to natural log once, at the
-output. An empty split or branch is the state ``(0, -inf)``.
+output. An empty state is ``(0, -inf)``; guards test exact zeros, so a NaN in a valid input reaches
+the output as it does in the reference. ``tuning/static_report.py`` (``python -m tuning inspect``)
+shows what each launch costs in registers and shared memory on an H200.
 """
 
 from __future__ import annotations
@@ -87,8 +90,9 @@ ROT_BLOCK_N = 32
 
 
 def keep(config: FoldConfig, rows: int, head_dim: int) -> bool:
-    """Prune points that cannot win: tiles much taller than the rows, or huge tiles with few warps."""
-    if config.block_m > max(16, triton.next_power_of_2(rows)):
+    """Prune points that cannot win: tiles taller than both the rows and 64 (the M of Hopper's
+    warpgroup MMA), or huge tiles with few warps."""
+    if config.block_m > max(64, triton.next_power_of_2(rows)):
         return False
     if config.block_m * config.block_n * head_dim > 128 * 64 * 128 and config.num_warps < 4:
         return False
@@ -314,10 +318,11 @@ def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_
 
 @triton.jit
 def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    # a row that saw nothing (l = 0) is (0, -inf); a NaN (from a NaN input) stays NaN in o and lse
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(p_o, o, mask=m_store)
-    tl.store(p_lse, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=m_row)
+    tl.store(p_lse, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=m_row)
 
 
 @triton.jit(do_not_specialize=["n_q", "max_len", "window", "num_splits", "state_offset"])
@@ -433,26 +438,28 @@ def fold_fwd_kernel_stage2(
     m_f = tl.max(tl.where(is_far, lse, float("-inf")), 0)
     m_w = tl.where(m_w == float("-inf"), 0.0, m_w)
     m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
+    # guards test for exact zeros (empty), never "> 0", so that a NaN state makes the row NaN
     e = tl.exp2(lse - tl.where(is_far, m_f, m_w))                       # 0 for empty states
     z_w = tl.sum(tl.where(is_far, 0.0, e), 0)
     z_f = tl.sum(tl.where(is_far, e, 0.0), 0)
-    lse_w = tl.where(z_w > 0.0, m_w + tl.log2(tl.where(z_w > 0.0, z_w, 1.0)), float("-inf"))
-    lse_f = tl.where(z_f > 0.0, (m_f + tl.log2(tl.where(z_f > 0.0, z_f, 1.0))) * inv_alpha, float("-inf"))
+    lse_w = m_w + tl.log2(z_w)                                          # -inf if the branch is empty
+    lse_f = (m_f + tl.log2(z_f)) * inv_alpha
     m = tl.maximum(lse_w, lse_f)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w_w = tl.exp2(lse_w - m_safe)                                       # the branches' masses, relative
     w_f = tl.exp2(lse_f - m_safe)
     total = w_w + w_f
     # a state's weight in the output: its branch's mass x its share of that branch
-    share = e / tl.where(is_far, tl.where(z_f > 0.0, z_f, 1.0), tl.where(z_w > 0.0, z_w, 1.0))
-    w = share * tl.where(is_far, w_f, w_w) / tl.where(total > 0.0, total, 1.0)
+    z_own = tl.where(is_far, z_f, z_w)
+    share = tl.where(e == 0.0, 0.0, e / tl.where(z_own == 0.0, 1.0, z_own))
+    w = share * tl.where(is_far, w_f, w_w) / tl.where(total == 0.0, 1.0, total)
     p_o = OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or + o_s[:, None] * stride_os + o_d[None, :]
-    o = tl.load(p_o, mask=(m_s & (e > 0.0))[:, None] & m_d[None, :], other=0.0)   # [BLOCK_S, BLOCK_D]
+    o = tl.load(p_o, mask=(m_s & (e != 0.0))[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     out = tl.sum(w[:, None] * o, 0)
     tl.store(Out + i_b * stride_outb + i_r * stride_outn + i_hq * stride_outh + o_d,
              out.to(Out.dtype.element_ty), mask=m_d)
     if RETURN_LSE:
-        lse2 = tl.where(total > 0.0, m_safe + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        lse2 = m_safe + tl.log2(total)
         tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * 0.6931471805599453)  # base 2 -> e
 
 
@@ -497,7 +504,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     qf = torch.empty_like(qw)
     trig = torch.empty(2, rot_block_n, block_d // 2, device=q.device, dtype=torch.float32)
     o_part = torch.empty(batch, heads_q, n_q, states, head_dim, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(batch, heads_q, n_q, states, device=q.device, dtype=torch.float32)
+    # rows of 16-multiple length: its strides (kernel arguments) keep one alignment class for any split count
+    lse_part = torch.empty(batch, heads_q, n_q, triton.cdiv(states, 16) * 16, device=q.device, dtype=torch.float32)
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
     seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointer when unused

@@ -67,10 +67,9 @@ def tree_fwd_kernel(
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp2(s - m_safe[:, None])
-    l_t = tl.sum(p, 1)
-    has_t = l_t > 0.0
-    o_tree = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) / tl.where(has_t, l_t, 1.0)[:, None]
-    lse_t = tl.where(has_t, m_safe + tl.log2(tl.where(has_t, l_t, 1.0)), float("-inf"))
+    l_t = tl.sum(p, 1)                      # guards test exact zeros, so a NaN input stays NaN
+    o_tree = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) / tl.where(l_t == 0.0, 1.0, l_t)[:, None]
+    lse_t = m_safe + tl.log2(l_t)           # -inf for a row that sees no node
 
     # merge with the cached state (natural-log lse in, converted to base 2 here)
     lse_c = tl.load(LseC + i_b * stride_lcb + o_i * stride_lcn + i_hq, mask=m_row, other=float("-inf")) * LOG2E_C
@@ -79,13 +78,13 @@ def tree_fwd_kernel(
     w_c = tl.exp2(lse_c - mx)
     w_t = tl.exp2(lse_t - mx)
     o_c = tl.load(OC + i_b * stride_cb + o_i[:, None] * stride_cn + i_hq[:, None] * stride_ch + o_d[None, :],
-                  mask=(m_row & (w_c > 0.0))[:, None] & m_d[None, :], other=0.0)
+                  mask=(m_row & (w_c != 0.0))[:, None] & m_d[None, :], other=0.0)
     total = w_c + w_t
-    out = (w_c[:, None] * o_c + w_t[:, None] * o_tree) / tl.where(total > 0.0, total, 1.0)[:, None]
+    out = (w_c[:, None] * o_c + w_t[:, None] * o_tree) / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(Out + i_b * stride_outb + o_i[:, None] * stride_outn + i_hq[:, None] * stride_outh + o_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     if RETURN_LSE:
-        lse = tl.where(total > 0.0, mx + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        lse = mx + tl.log2(total)
         tl.store(Lse + i_b * stride_lseb + o_i * stride_lsen + i_hq, lse * 0.6931471805599453, mask=m_row)  # base 2 -> e
 
 
