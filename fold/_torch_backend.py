@@ -53,23 +53,6 @@ class _Cache:
         return not self.paged and self.k.stride(-1) == 1 and self.v.stride(-1) == 1
 
 
-def _rotate(x, pos, inv_freq, rotary_dim, interleaved, factor=1.0):
-    # Transitional: the old private rotation some policies still import; use fold.rope.rotate instead.
-    angle = pos.to(inv_freq.dtype)[:, None] * inv_freq                      # [N, rotary_dim/2]
-    cos, sin = torch.cos(angle) * factor, torch.sin(angle) * factor
-    out = torch.empty_like(x)
-    pairs = (slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)) if interleaved else \
-        (slice(0, rotary_dim // 2), slice(rotary_dim // 2, rotary_dim))
-    a, b = x[..., pairs[0]], x[..., pairs[1]]
-    out_a, out_b = out[..., pairs[0]], out[..., pairs[1]]
-    torch.mul(a, cos, out=out_a)
-    out_a.addcmul_(b, sin, value=-1.0)
-    torch.mul(b, cos, out=out_b)
-    out_b.addcmul_(a, sin)
-    out[..., rotary_dim:] = x[..., rotary_dim:]
-    return out
-
-
 def _empty_state(q):
     return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
 

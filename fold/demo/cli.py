@@ -115,19 +115,16 @@ def prompts_for(task: str, length: int, count: int, seed: int, held) -> list[byt
 
 def shifted_read(rope, shift: int):
     """Every context entry at its true position, the block moved ``shift`` positions later (one softmax)."""
-    from fold._torch_backend import _rotate
+    from fold.rope import rotate
 
     def read(q, k, v, layer):
         _, n_q, heads_q, head_dim = q.shape
         n = k.shape[1] - n_q
-        inv_freq = rope.inv_freq_on(q.device).float()
         pos = torch.arange(k.shape[1], device=q.device) - n                 # relative to the block start
         pos[n:] += shift
         r = torch.arange(n_q, device=q.device) + shift
-        ks = _rotate(k[0].transpose(0, 1).float(), pos, inv_freq, rope.rotary_dim, rope.interleaved,
-                     rope.attention_factor)
-        qs = _rotate(q[0].transpose(0, 1).float(), r, inv_freq, rope.rotary_dim, rope.interleaved,
-                     rope.attention_factor)
+        ks = rotate(k[0].transpose(0, 1).float(), pos, rope)
+        qs = rotate(q[0].transpose(0, 1).float(), r, rope)
         group = heads_q // k.shape[2]
         s = qs @ ks.repeat_interleave(group, 0).transpose(1, 2) * head_dim ** -0.5          # [Hq, n_q, L]
         o = torch.softmax(s, -1) @ v[0].transpose(0, 1).float().repeat_interleave(group, 0)
@@ -198,25 +195,16 @@ def run_shift(target, drafter, anchor, *, held, prompts, new_tokens, seed, lengt
         for shift in shifts:
             if shift == 0:
                 res = spec.generate(target, model, ids, max_new_tokens=new_tokens, policy="dflash")
-            else:                                       # the same loop with the shifted read
-                res = _generate_with_read(target, model, ids, new_tokens, shifted_read(model.cfg.rope, shift))
+            else:                                       # the same loop with a custom read (spec.Read protocol)
+                res = spec.generate(target, model, ids, max_new_tokens=new_tokens,
+                                    policy=lambda request, s=shift: spec.Read(shifted_read(request["rope"], s),
+                                                                              rope=request["rope"]))
             records.append(_ci_record("shift", ids.shape[1], label, per_sequence_tau(res),
                                       per_sequence_speedup(res, ar), torch.equal(res.sequences, ar.sequences),
                                       _mean_tpot(res), dict(shift=shift)))
             if bar is not None:
                 bar.update(1)
     return records
-
-
-def _generate_with_read(target, drafter, ids, new_tokens, read):
-    from fold.spec.generate import _assemble, _generate_one
-
-    rows, stats = [], []
-    for b in range(ids.shape[0]):
-        new, st = _generate_one(target, drafter, ids[b], new_tokens, set(), read, 0.0, None)
-        rows.append(torch.cat([ids[b], torch.tensor(new, dtype=ids.dtype)]))
-        stats.append(st)
-    return _assemble(rows, stats, set(), ids)
 
 
 def format_table(records: list[dict]) -> str:

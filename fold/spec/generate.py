@@ -23,7 +23,7 @@ import torch
 
 from fold.spec import _hf
 from fold.spec.drafter import Drafter
-from fold.spec.policies import make_read
+from fold.spec.policies import Read, make_read
 from fold.spec.glide import glide_tree
 from fold.spec.tree import tree_round, verify_tree
 
@@ -212,7 +212,7 @@ def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int,
     return new, _stats(rounds, committed, drafted, new, prefill_s, time.perf_counter() - t1)
 
 
-def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy: str | None = None,
+def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy=None,
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
              generator: torch.Generator | None = None, progress: bool = False, tree: tuple[int, ...] | None = None,
              gamma: int = 4, **policy_options) -> GenerateResult:
@@ -226,8 +226,16 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
         input_ids: [batch, prompt_len]; with ``attention_mask`` [batch, prompt_len], padding (left or
             right) is dropped per row.
         max_new_tokens: per sequence.
-        policy: how a block drafter reads its context (``fold.spec.policies``): "fold" (default),
-            "dflash", "window", "streaming", "yarn", "rerope", "infllm", "cmr".
+        policy: how a block drafter reads its context. A name (``fold.spec.policies``): "fold"
+            (default), "dflash", "window", "streaming", "yarn", "rerope", "infllm", "cmr"; or your own
+            read, as a factory called once per sequence, ``policy(request) -> read`` with ``request``
+            = dict(prompt_len, max_new_tokens, block_size, rope). The read is called per drafter layer
+            as ``read(q, k, v, layer) -> o`` (``q [1, n_q, Hq, d]`` pre-RoPE, ``k, v [1, L, Hkv, d]``
+            pre-RoPE with the block's rows last, row r at position ``L - n_q + r``; ``o [1, n_q, Hq,
+            d]``); optionally ``read.sliding(q, k, v, layer, *, sliding_window, causal)`` for a
+            sliding-window layer (default: the layer's native read) and ``read.after_verify(target,
+            hidden_states, cache, committed, last_row)`` after each verification (as CMR uses it).
+            :class:`fold.spec.Read` wraps plain functions. Policy options do not apply to a factory.
         eos_token_id: int or list of ints that stop a sequence (kept in the output).
         temperature: 0 is greedy (lossless: equals the target's greedy output); above 0 the drafts
             are sampled and verified by rejection sampling, so every token follows the target's
@@ -267,7 +275,13 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be a positive int, got {gamma!r}")
     _hf.check_target(target, tree=tree is not None)           # layer types it can roll back (and tree-verify)
-    policy = policy or "fold"
+    policy = "fold" if policy is None else policy
+    if not (isinstance(policy, str) or callable(policy)):
+        raise TypeError(f"policy must be a policy name or a read factory policy(request) -> read, "
+                        f"got {type(policy).__name__}")
+    if not isinstance(policy, str) and policy_options:
+        raise ValueError(f"policy options {sorted(policy_options)} apply to named policies only; "
+                         "configure your read factory instead")
     if tree is not None:
         if not (isinstance(tree, (tuple, list)) and tree
                 and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in tree)):
@@ -278,11 +292,12 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             raise ValueError(f"tree verification runs fold.tree_attention through transformers' AttentionInterface; "
                              f"{type(target).__name__} does not dispatch its attention there, so use a chain "
                              "(tree=None)")
-    if not glide:
+    if not glide and isinstance(policy, str):
         make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
                   **policy_options)                               # bad policy or option: fail before any work
     rows, all_stats = [], []
-    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, "glide" if glide else policy) if progress else None
+    label = "glide" if glide else policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, label) if progress else None
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
         if glide:
@@ -292,7 +307,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             all_stats.append(stats)
             continue
         request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
-        read = make_read(policy, drafter.cfg.rope, request=request, **policy_options)
+        read = _build_read(policy, drafter, request, policy_options)
         new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator, bar,
                                    None if tree is None else tuple(tree))
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
@@ -300,6 +315,17 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
     if bar is not None:
         bar.close()
     return _assemble(rows, all_stats, eos, input_ids)
+
+
+def _build_read(policy, drafter, request: dict, options: dict):
+    """One sequence's read: a named policy's, or the user's factory's (wrapped in :class:`Read` when it
+    brings no sliding-layer rule of its own, so those layers keep their native read)."""
+    if isinstance(policy, str):
+        return make_read(policy, drafter.cfg.rope, request=request, **options)
+    read = policy({**request, "rope": drafter.cfg.rope})
+    if not callable(read):
+        raise TypeError(f"the policy factory must return a callable read(q, k, v, layer), got {type(read).__name__}")
+    return read if hasattr(read, "sliding") else Read(read, rope=drafter.cfg.rope)
 
 
 def _progress_bar(total, desc):

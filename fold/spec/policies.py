@@ -253,11 +253,23 @@ def _rerope_scaled(q, n, training_length):
 
 
 class Read:
-    """A policy's read for one sequence: ``read(q, k, v, layer)`` for a full-attention layer and
-    ``read.sliding(q, k, v, layer, sliding_window=, causal=)`` for a sliding-window layer.
+    """A policy's read for one sequence, the protocol ``spec.generate`` calls: ``read(q, k, v, layer)``
+    for a full-attention layer and ``read.sliding(q, k, v, layer, sliding_window=, causal=)`` for a
+    sliding-window layer.
 
     ``full`` is the full-layer read; ``sliding`` the sliding-layer rule, by default the layer's
-    native read (:func:`sliding_state`). ``after_verify`` is forwarded when ``full`` has one (CMR).
+    native read (:func:`sliding_state`, which needs ``rope``). ``after_verify`` is forwarded when
+    ``full`` has one (CMR). Shapes: ``q [1, n_q, Hq, d]`` pre-RoPE; ``k, v [1, L, Hkv, d]`` pre-RoPE,
+    the block's ``n_q`` rows last (row r at position ``L - n_q + r``); returns ``o [1, n_q, Hq, d]``.
+
+    Example (a custom policy for ``spec.generate``: every context entry at its true position, the
+    block moved ``shift`` positions further)::
+
+        >>> def shifted(request):
+        ...     def read(q, k, v, layer):
+        ...         ...                                   # any read returning [1, n_q, Hq, d]
+        ...     return fold.spec.Read(read, rope=request["rope"])
+        >>> spec.generate(target, drafter, ids, max_new_tokens=64, policy=shifted)
     """
 
     def __init__(self, full, sliding=None, rope=None):
