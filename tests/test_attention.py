@@ -5,14 +5,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
 from reference import apply_rope
-from tests.helpers import Case, assert_close, check_against_reference, kwargs_of, make_inputs, rope_of
+from tests.helpers import Case, assert_close, check_against_reference, kwargs_of, make_inputs, reference_pair, rope_of
+from tests.test_engine_ops import to_pages
 
 
 @st.composite
@@ -232,3 +233,20 @@ def test_triton_propagates_nan_in_valid_inputs(where, keys_rotated):
     want, _ = fold_attention_ref(q, k, v, **kwargs_of(case, seqlens))
     assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).any()
     assert torch.equal(torch.isnan(out), torch.isnan(want))
+
+
+@settings(max_examples=12)
+@given(case=cases(dtypes=[torch.float32, torch.bfloat16], max_len_cap=400), page_size=st.sampled_from([1, 5, 16, 64]),
+       config=configs)
+def test_triton_reads_a_paged_cache_as_the_contiguous_one(case, page_size, config):
+    """block_table (flash-attn's convention): shuffled pages, garbage in unused slots and table entries."""
+    case = case.with_(seqlens=case.seqlens or (case.max_len,) * case.batch)
+    q, k, v, seqlens = make_inputs(case, pad=0.0)
+    k_pages, table = to_pages(k, seqlens, page_size, torch.Generator().manual_seed(case.seed))
+    v_pages, _ = to_pages(v, seqlens, page_size, torch.Generator().manual_seed(case.seed))
+    with use_config(config):
+        out, lse = fold.attention(q, k_pages, v_pages, **kwargs_of(case, seqlens), block_table=table,
+                                  return_lse=True, backend="triton")
+    (out64, lse64), (out_lp, lse_lp) = reference_pair(case, q, k, v, seqlens)
+    assert_close("paged out", out, out64, out_lp, case.dtype)
+    assert_close("paged lse", lse, lse64, lse_lp, case.dtype)

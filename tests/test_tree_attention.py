@@ -121,3 +121,21 @@ def test_triton_propagates_nan_in_valid_inputs_as_the_reference_does(where):
     out = fold.tree_attention(q, kc, vc, kt, vt, c["mask"], cache_seqlens=seqlens, backend="triton")
     want, _ = tree_attention_ref(q, kc, vc, kt, vt, c["mask"], cache_seqlens=seqlens)
     assert torch.isnan(out).any() and torch.equal(torch.isnan(out), torch.isnan(want))
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16, 64])
+def test_triton_reads_a_paged_cache_as_the_contiguous_one(page_size):
+    from tests.test_engine_ops import to_pages
+
+    c = dict(batch=2, n_tree=5, mask=torch.stack([tree_mask([-1, 0, 0, 1, 2]), tree_mask([-1, 0, 1, 2, 3])]),
+             heads_kv=2, group=2, head_dim=32, max_len=150, seqlens=[150, 23], dtype=torch.float32, seed=page_size)
+    (q, kc, vc, kt, vt), seqlens = make(c, pad=0.0)
+    kp, table = to_pages(kc, seqlens, page_size, torch.Generator().manual_seed(1))
+    vp, _ = to_pages(vc, seqlens, page_size, torch.Generator().manual_seed(1))
+    with use_config(FoldConfig(16, 16, 3, 4, 2)):
+        out, lse = fold.tree_attention(q, kp, vp, kt, vt, c["mask"], cache_seqlens=seqlens, block_table=table,
+                                       return_lse=True, backend="triton")
+    out64, lse64 = tree_attention_ref(q, kc, vc, kt, vt, c["mask"], cache_seqlens=seqlens)
+    out_lp, lse_lp = tree_attention_ref(q, kc, vc, kt, vt, c["mask"], cache_seqlens=seqlens, upcast=False)
+    check_close("paged tree out", out, out64, out_lp, torch.float32)
+    check_close("paged tree lse", lse, lse64, lse_lp, torch.float32)

@@ -83,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
     p_inspect.add_argument("--sms", type=_positive(int), default=132, help="SMs the split model assumes")
     p_inspect.add_argument("--arch", type=_positive(int), default=90, help="compile for sm_<arch>")
     p_inspect.add_argument("--no-tree", action="store_true", help="leave out fold.tree_attention's launches")
+    p_inspect.add_argument("--page-size", type=_positive(int), default=None,
+                           help="read a paged cache (block_table) with pages of this many entries")
     p_inspect.add_argument("--json", action="store_true", help="print one JSON list, one object per launch")
     p_inspect.add_argument("--dump", type=Path, default=None, help="write each cubin into this folder")
     p_inspect.add_argument("--workers", type=_positive(int), default=None, help="parallel compiles")
@@ -124,7 +126,7 @@ def inspect(args) -> int:
     from tuning import static_report
 
     items = static_report.plan(args.drafters, args.lengths, tuple(x == "rotated" for x in args.layout),
-                               tree=not args.no_tree, device=args.device, sms=args.sms)
+                               tree=not args.no_tree, device=args.device, sms=args.sms, page_size=args.page_size or 0)
     if not args.json:
         print(f"what fold launches on {args.device} ({args.sms} SMs), compiled for sm_{args.arch}\n")
         print(static_report.HEADER)

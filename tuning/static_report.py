@@ -142,17 +142,25 @@ def _meta(*shape, dtype):
 
 
 def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int = 1,
-                  dtype=torch.bfloat16, seqlens=None) -> list[Launch]:
-    """The launches of one ``fold.attention`` read of a ``DrafterShape`` with ``config``."""
+                  dtype=torch.bfloat16, seqlens=None, page_size: int = 0) -> list[Launch]:
+    """The launches of one ``fold.attention`` read of a ``DrafterShape`` with ``config`` (from a
+    paged cache with ``page_size``, which implies cache_seqlens)."""
     from fold.kernels.fold_attention import fold_attention_fwd
 
     q = _meta(batch, shape.n_q, shape.heads_q, shape.head_dim, dtype=dtype)
-    k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=dtype)
+    paged = {}
+    if page_size:
+        blocks = -(-length // page_size)
+        k = _meta(batch * blocks, page_size, shape.heads_kv, shape.head_dim, dtype=dtype)
+        paged = dict(block_table=_meta(batch, blocks, dtype=torch.int32))
+        seqlens = _meta(batch, dtype=torch.int32)
+    else:
+        k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=dtype)
     inv_freq = _meta(shape.head_dim // 2, dtype=torch.float32)
     with record_launches() as seen:
         fold_attention_fwd(q, k, k, inv_freq, seqlens, window=shape.window, alpha=2.0,
                            softmax_scale=shape.head_dim ** -0.5, rotary_dim=shape.head_dim, interleaved=False,
-                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=True, config=config)
+                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=True, config=config, **paged)
     return seen
 
 
@@ -200,7 +208,7 @@ def _launch_config(launch: Launch) -> dict:
 
 
 def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, tree: bool = True,
-         device: str = "NVIDIA_H200", sms: int = H200_SMS) -> list[Item]:
+         device: str = "NVIDIA_H200", sms: int = H200_SMS, page_size: int = 0) -> list[Item]:
     """Every launch fold makes on ``device`` for the drafter shapes x key layouts x lengths (the
     fused read: prologue, stage 1, stage 2), and for ``fold.tree_attention`` with
     :data:`TREE_NODES` nodes at each length (its cached read and the tree kernel)."""
@@ -212,7 +220,7 @@ def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, tree:
         for length in lengths:
             for keys_rotated in layouts:
                 config = launched_config(shape, length, keys_rotated, device=device, sms=sms)
-                for launch in fold_launches(shape, length, keys_rotated, config):
+                for launch in fold_launches(shape, length, keys_rotated, config, page_size=page_size):
                     items.append(Item(_kernel_name(launch), name, length, keys_rotated, _launch_config(launch), launch))
             if tree:
                 config = launched_config(shape, length, True, n_q=TREE_NODES, device=device, sms=sms)

@@ -255,9 +255,25 @@ def _load_rows(p, m_n, m_col, MASK_N: tl.constexpr, MASK_COL: tl.constexpr, UPCA
 
 
 @triton.jit
-def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_d, m_d,
-            col_a, col_b, m_a, m_b, freq, Trig,
-            MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr,
+def _row_offsets(o_n, m_n, p_table, stride_kb, stride_kn, stride_vb, stride_vn, MASKED: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
+    # [BN] int64 offsets of the tile's K and V rows: o_n * stride, or in a paged cache (page table
+    # row p_table) the page's offset plus the slot's
+    if PAGE_SIZE == 0:
+        o_n64 = o_n.to(tl.int64)
+        return o_n64 * stride_kn, o_n64 * stride_vn
+    if MASKED:
+        page = tl.load(p_table + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+    else:
+        page = tl.load(p_table + o_n // PAGE_SIZE).to(tl.int64)
+    slot = (o_n % PAGE_SIZE).to(tl.int64)
+    return page * stride_kb + slot * stride_kn, page * stride_vb + slot * stride_vn
+
+
+@triton.jit
+def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn, lo, hi, o_ws, o_d,
+            m_d, col_a, col_b, m_a, m_b, freq, Trig,
+            MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, EVEN_PAIRS: tl.constexpr,
             INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] scaled, in the key
@@ -271,9 +287,10 @@ def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_
     for t0 in range(lo, hi, BLOCK_N):
         o_n = t0 + o_i
         m_n = o_n < hi
-        p_v = p_v0 + o_n[:, None].to(tl.int64) * stride_vn + o_d[None, :]
+        r_k, r_v = _row_offsets(o_n, m_n, p_table, stride_kb, stride_kn, stride_vb, stride_vn, MASKED, PAGE_SIZE)
+        p_v = p_v0 + r_v[:, None] + o_d[None, :]
         if ROTATE:
-            p_k = p_k0 + o_n[:, None].to(tl.int64) * stride_kn
+            p_k = p_k0 + r_k[:, None]
             if EVEN_PAIRS:  # one [BN, BLOCK_D] load, split into the pair halves in registers
                 k = _load_rows(p_k + o_d[None, :], m_n, m_d, MASKED, False, UPCAST)
                 if INTERLEAVED:
@@ -301,8 +318,7 @@ def _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, lo, hi, o_ws, o_
                 k = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_N, BLOCK_D))
             k = k.to(q.dtype)
         else:
-            k = _load_rows(p_k0 + o_n[:, None].to(tl.int64) * stride_kn + o_d[None, :], m_n, m_d, MASKED,
-                           not EVEN_D, UPCAST)
+            k = _load_rows(p_k0 + r_k[:, None] + o_d[None, :], m_n, m_d, MASKED, not EVEN_D, UPCAST)
         v = _load_rows(p_v, m_n, m_d, MASKED, not EVEN_D, UPCAST)
         # [BM, BLOCK_D] @ [BLOCK_D, BN] -> [BM, BN], base-2 logits
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -327,20 +343,23 @@ def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
 
 @triton.jit(do_not_specialize=["n_q", "max_len", "window", "num_splits", "state_offset"])
 def fold_fwd_kernel_stage1(
-    Q, K, V, InvFreq, Trig, SeqLens, OPart, LsePart,
+    Q, K, V, InvFreq, Trig, SeqLens, BlockTable, OPart, LsePart,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
+    stride_tb,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
     heads_kv, n_q, max_len, window, num_splits, state_offset,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
-    ROTATE: tl.constexpr, HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROTATE: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr, M_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one branch (IS_WINDOW or the far memory) over its entries of one sequence, split in num_splits
-    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row
+    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. With PAGE_SIZE > 0,
+    # K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable [B, max_blocks] maps a
+    # sequence's entry j to page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
     HALF_P: tl.constexpr = BLOCK_D // 2
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
@@ -383,8 +402,13 @@ def fold_fwd_kernel_stage1(
         freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)
         q = tl.load(Q + i_b * stride_qb + i_kvh * stride_qh + o_m[:, None] * stride_qm + o_d[None, :],
                     mask=m_row[:, None], other=0.0)
-        p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
-        p_v0 = V + i_b * stride_vb + i_kvh * stride_vh
+        if PAGE_SIZE == 0:
+            p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
+            p_v0 = V + i_b * stride_vb + i_kvh * stride_vh
+        else:                               # the page table gives each row's page
+            p_k0 = K + i_kvh * stride_kh
+            p_v0 = V + i_kvh * stride_vh
+        p_table = BlockTable + i_b * stride_tb
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -392,14 +416,14 @@ def fold_fwd_kernel_stage1(
             mid = start
         else:                               # unmasked up to the last whole tile below win_lo
             mid = start + tl.maximum(tl.minimum(end, win_lo) - start, 0) // BLOCK_N * BLOCK_N
-            m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, start, mid, o_ws, o_d, m_d,
-                                    col_a, col_b, m_a, m_b, freq, Trig, MASKED=False, IS_WINDOW=False,
-                                    ROTATE=ROTATE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
+            m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
+                                    stride_vn, start, mid, o_ws, o_d, m_d, col_a, col_b, m_a, m_b, freq, Trig,
+                                    MASKED=False, IS_WINDOW=False, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
                                     EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
                                     DOT_PRECISION=DOT_PRECISION)
-        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, stride_kn, stride_vn, mid, end, o_ws, o_d, m_d,
-                                col_a, col_b, m_a, m_b, freq, Trig, MASKED=True, IS_WINDOW=IS_WINDOW,
-                                ROTATE=ROTATE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn,
+                                mid, end, o_ws, o_d, m_d, col_a, col_b, m_a, m_b, freq, Trig, MASKED=True,
+                                IS_WINDOW=IS_WINDOW, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
                                 EVEN_D=EVEN_D, EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
                                 DOT_PRECISION=DOT_PRECISION)
         p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os
@@ -471,16 +495,21 @@ def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n:
 
 
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
-                       interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None):
+                       interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
+                       block_table=None):
     """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
     stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
-    q [B, n_q, Hq, d]; k, v [B, max_len, Hkv, d] with unit stride in d; inv_freq [rotary_dim/2] fp32 on
-    q's device; cache_seqlens [B] int or None; ``out_dtype`` defaults to q's (float32 keeps a state for
-    merging). ``config.num_splits`` splits the far memory; the window gets :func:`window_splits`.
+    q [B, n_q, Hq, d]; k, v [B, max_len, Hkv, d] with unit stride in d, or with ``block_table``
+    [B, max_blocks] int32 pages [num_blocks, page_size, Hkv, d] (``max_len = max_blocks * page_size``;
+    cache_seqlens required); inv_freq [rotary_dim/2] fp32 on q's device; cache_seqlens [B] int or
+    None; ``out_dtype`` defaults to q's (float32 keeps a state for merging). ``config.num_splits``
+    splits the far memory; the window gets :func:`window_splits`.
     """
     batch, n_q, heads_q, head_dim = q.shape
-    max_len, heads_kv = k.shape[1], k.shape[2]
+    heads_kv = k.shape[2]
+    page_size = k.shape[1] if block_table is not None else 0
+    max_len = block_table.shape[1] * page_size if block_table is not None else k.shape[1]
     group = heads_q // heads_kv
     rows = n_q * group
     m_tiles = triton.cdiv(rows, config.block_m)
@@ -508,7 +537,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     lse_part = torch.empty(batch, heads_q, n_q, triton.cdiv(states, 16) * 16, device=q.device, dtype=torch.float32)
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
-    seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointer when unused
+    seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointers when unused
+    table = block_table if block_table is not None else lse_part
     inv_freq = inv_freq if rotary_dim else torch.zeros(1, device=q.device, dtype=torch.float32)
 
     fold_fwd_kernel_prologue[(batch * heads_kv * m_tiles,)](
@@ -523,14 +553,16 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         if not splits:
             continue
         fold_fwd_kernel_stage1[(batch * heads_kv * m_tiles, splits)](
-            q_branch, k, v, inv_freq, trig, seqlens, o_part, lse_part,
+            q_branch, k, v, inv_freq, trig, seqlens, table, o_part, lse_part,
             q_branch.stride(0), q_branch.stride(1), q_branch.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
+            table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
             heads_kv, n_q, max_len, window, splits, offset,
-            **consts, IS_WINDOW=is_window, ROTATE=is_window != keys_rotated, BLOCK_N=block_n, UPCAST=upcast,
+            **consts, IS_WINDOW=is_window, ROTATE=is_window != keys_rotated, PAGE_SIZE=page_size, BLOCK_N=block_n,
+            UPCAST=upcast,
             DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

@@ -89,16 +89,18 @@ def tree_fwd_kernel(
 
 
 def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale, return_lse,
-                       config: FoldConfig, block_m: int = 32):
-    """Launch the cached read and the tree kernel. Assumes validated inputs; returns ``(out, lse or None)``."""
+                       config: FoldConfig, block_m: int = 32, block_table=None):
+    """Launch the cached read and the tree kernel. Assumes validated inputs; returns ``(out, lse or None)``.
+    With ``block_table`` the cache is paged as in :func:`fold_attention_fwd`."""
     batch, n_tree, heads_q, head_dim = q.shape
-    max_len, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    heads_kv = k_cache.shape[2]
+    max_len = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     group = heads_q // heads_kv
     identity = torch.zeros(head_dim // 2, device=q.device, dtype=torch.float32)   # queries/keys arrive rotated
     o_c, lse_c = fold_attention_fwd(
         q, k_cache, v_cache, identity, cache_seqlens, window=max_len + n_tree, alpha=1.0,
         softmax_scale=softmax_scale, rotary_dim=2 * (head_dim // 2), interleaved=False, attention_factor=1.0,
-        keys_rotated=True, return_lse=True, config=config, out_dtype=torch.float32)
+        keys_rotated=True, return_lse=True, config=config, out_dtype=torch.float32, block_table=block_table)
     m_tiles = triton.cdiv(n_tree * group, block_m)
     out = torch.empty_like(q)
     lse = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
