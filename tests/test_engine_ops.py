@@ -11,7 +11,7 @@ from fold.spec.tree import tree_mask
 from reference import tree_attention_ref
 from tests.helpers import Case, assert_close, kwargs_of, make_inputs, reference_pair
 
-PAGED_BACKENDS = ["torch"]
+PAGED_BACKENDS = ["torch", "triton"]
 
 
 def to_pages(x, seqlens, page_size, generator, spare=3):
