@@ -10,7 +10,7 @@ import fold
 import fold.kernels.fold_attention as kernels
 from fold import config_lookup
 from fold.config_lookup import num_splits_for
-from fold.kernels.fold_attention import SPACE, TILE_FIELDS, FoldConfig
+from fold.kernels.fold_attention import SPACE, TILE_FIELDS
 from tests.helpers import Case, kwargs_of, make_inputs
 from tuning.__main__ import main as tuning_main
 from tuning.tune import ShapeClass, tune

@@ -111,8 +111,9 @@ def show(path: Path) -> int:
     for key, tile in entries.items():
         entry = data["entries"][key]
         splits = entry.get("splits") if isinstance(entry.get("splits"), dict) else {}
+        model_best = f"{splits.get('model', '-')}/{splits.get('best', '-')}"
         print(f"{key:<44} {tile[0]:>4} {tile[1]:>4} {tile[2]:>5} {tile[3]:>6} {number(entry, 'us'):>9} "
-              f"{number(entry, 'heuristic_us'):>10} {str(splits.get('model', '-')) + '/' + str(splits.get('best', '-')):>17}")
+              f"{number(entry, 'heuristic_us'):>10} {model_best:>17}")
     for problem in problems:
         print(f"python -m tuning show: error: {problem}", file=sys.stderr)
     return 2 if problems else 0

@@ -244,7 +244,8 @@ def precompile(tiles, classes, args, log) -> dict:
     results = {}
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
         for spec, res in zip(specs, pool.map(compile_read, specs)):
-            key = f"{spec['kind']}-{spec['dtype']}-{'rot' if spec['keys_rotated'] else 'unrot'}-nq{spec['n_q']}-{spec['tile']}"
+            layout = "rot" if spec["keys_rotated"] else "unrot"
+            key = f"{spec['kind']}-{spec['dtype']}-{layout}-nq{spec['n_q']}-{spec['tile']}"
             results[key] = res
     spilling = sorted({tuple(s["tile"]) for s, r in zip(specs, results.values())
                        if any(x["spill_stores"] or x["spill_loads"] for x in r)})
@@ -396,7 +397,8 @@ def render_table(results: dict) -> str:
              f"flash-attn {'yes' if env.get('flash_attn') else 'no'}"]
     if "verify" in results:
         v = results["verify"]
-        lines.append(f"verify: {v['checked']} checks of {v['configs']} configs (x5 reads), {len(v['failures'])} failures")
+        lines.append(f"verify: {v['checked']} checks of {v['configs']} configs (x5 reads), "
+                     f"{len(v['failures'])} failures")
     bw = results.get("copy_bandwidth")
     if bw:
         lines.append(f"copy bandwidth: {bw:.2f} TB/s")

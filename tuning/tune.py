@@ -20,7 +20,6 @@ CUDA graph and times its replays with events; tests pass a fake timer (and a fak
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import math
 import os

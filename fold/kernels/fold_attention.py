@@ -215,14 +215,16 @@ def fold_fwd_kernel_prologue(
     pair_scale = tl.where(is_rot, q_rot_scale, 1.0)[None, :]
     qa *= pair_scale
     qb *= pair_scale
-    m_store = m_row[:, None] & (o_c < HALF_P)[None, :]
+    m_store = m_row[:, None] & (o_c < HALF_P)[None, :]                                # [BM, HALF_P]
     p_w = QW + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     p_f = QF + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     # window at the true positions n + r; far memory at the shared distance D + r
     _rotate_store(p_w, qa, qb, (seq_len - n_q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
-                  m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+                  m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M,
+                  BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     _rotate_store(p_f, qa, qb, (window + n_q + o_r)[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
-                  m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+                  m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                  HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
@@ -418,12 +420,14 @@ def fold_fwd_kernel_stage1(
             mid = start + tl.maximum(tl.minimum(end, win_lo) - start, 0) // BLOCK_N * BLOCK_N
             m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
                                     stride_vn, start, mid, o_ws, o_d, m_d, col_a, col_b, m_a, m_b, freq, Trig,
-                                    MASKED=False, IS_WINDOW=False, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
+                                    MASKED=False, IS_WINDOW=False, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
+                                    BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
                                     EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
                                     DOT_PRECISION=DOT_PRECISION)
         m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn,
                                 mid, end, o_ws, o_d, m_d, col_a, col_b, m_a, m_b, freq, Trig, MASKED=True,
-                                IS_WINDOW=IS_WINDOW, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                                IS_WINDOW=IS_WINDOW, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
+                                BLOCK_D=BLOCK_D,
                                 EVEN_D=EVEN_D, EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
                                 DOT_PRECISION=DOT_PRECISION)
         p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os

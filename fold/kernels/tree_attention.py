@@ -85,7 +85,8 @@ def tree_fwd_kernel(
              out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     if RETURN_LSE:
         lse = mx + tl.log2(total)
-        tl.store(Lse + i_b * stride_lseb + o_i * stride_lsen + i_hq, lse * 0.6931471805599453, mask=m_row)  # base 2 -> e
+        # base 2 -> e
+        tl.store(Lse + i_b * stride_lseb + o_i * stride_lsen + i_hq, lse * 0.6931471805599453, mask=m_row)
 
 
 def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale, return_lse,
