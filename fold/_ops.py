@@ -52,7 +52,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
     from fold.kernels.fold_attention import fold_attention_fwd
 
     q, k, v = _unit_stride(q, k, v)
-    config = config_for(q, k, keys_rotated)
+    max_len = None if block_table is None else block_table.shape[1] * k.shape[1]   # pages: the table's reach
+    config = config_for(q, k, keys_rotated, max_len=max_len)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         return fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, window=window, alpha=alpha,
                                   softmax_scale=softmax_scale, rotary_dim=rotary_dim, interleaved=interleaved,
@@ -83,7 +84,9 @@ def tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     q, k_cache, v_cache, k_tree, v_tree = _unit_stride(q, k_cache, v_cache, k_tree, v_tree)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         return tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens,
-                                  softmax_scale=softmax_scale, return_lse=True, config=config_for(q, k_cache, True),
+                                  softmax_scale=softmax_scale, return_lse=True,
+                                  config=config_for(q, k_cache, True, max_len=None if block_table is None
+                                                    else block_table.shape[1] * k_cache.shape[1]),
                                   **({"block_table": block_table} if block_table is not None else {}))
 
 

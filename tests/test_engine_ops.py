@@ -172,3 +172,19 @@ def test_the_ops_are_registered_custom_ops():
     torch.library.opcheck(torch.ops.fold.attention.default,
                           (q, k, v, fold.Rope.from_theta(10000.0, 16).inv_freq, seqlens.int(), None, 8, 2.0, 0.25, 16,
                            False, 1.0, False, "torch"))
+
+
+def test_a_paged_read_is_configured_for_the_tables_reach(monkeypatch):
+    """The split model must see the cache's length (pages x page size), not the page size."""
+    from fold import config_lookup
+
+    seen = []
+    real = config_lookup.config_for
+    monkeypatch.setattr(config_lookup, "config_for", lambda *a, **kw: (seen.append(kw.get("max_len")), real(*a, **kw))[1])
+    q, kp, vp, seqlens, table = _paged_args()
+    fold.attention(q, kp, vp, window=8, rope=fold.Rope.from_theta(10000.0, 16), cache_seqlens=seqlens,
+                   block_table=table, backend="triton")
+    kt, vt = kp[0, :3].unsqueeze(0).expand(2, 3, 2, 16), vp[0, :3].unsqueeze(0).expand(2, 3, 2, 16)
+    fold.tree_attention(q[:, :3], kp, vp, kt, vt, tree_mask([-1, 0, 0])[None].expand(2, 3, 3), cache_seqlens=seqlens,
+                        block_table=table, backend="triton")
+    assert seen == [table.shape[1] * kp.shape[1]] * 2
