@@ -40,14 +40,15 @@ def _unit_stride(*tensors):
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, window: int, alpha: float,
                  softmax_scale: float, rotary_dim: int, interleaved: bool, attention_factor: float,
-                 keys_rotated: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 keys_rotated: bool, far_shared: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs (see ``fold.attention``) -> ``(out, lse)``, lse natural log."""
     if backend == "torch":
         from fold._torch_backend import fold_attention_torch
 
         return fold_attention_torch(q, k, v, _rope(inv_freq, rotary_dim, interleaved, attention_factor),
                                     cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
-                                    keys_rotated=keys_rotated, return_lse=True, block_table=block_table)
+                                    keys_rotated=keys_rotated, return_lse=True, block_table=block_table,
+                                    far_distance_per_row=far_shared)
     from fold.config_lookup import config_for
     from fold.kernels.fold_attention import fold_attention_fwd
 
@@ -58,12 +59,12 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
         return fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, window=window, alpha=alpha,
                                   softmax_scale=softmax_scale, rotary_dim=rotary_dim, interleaved=interleaved,
                                   attention_factor=attention_factor, keys_rotated=keys_rotated, return_lse=True,
-                                  config=config, **({"block_table": block_table} if block_table is not None else {}))
+                                  config=config, block_table=block_table, far_per_row=far_shared)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
-                    interleaved, attention_factor, keys_rotated, backend):
+                    interleaved, attention_factor, keys_rotated, far_shared, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 
@@ -87,7 +88,7 @@ def tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                   softmax_scale=softmax_scale, return_lse=True,
                                   config=config_for(q, k_cache, True, max_len=None if block_table is None
                                                     else block_table.shape[1] * k_cache.shape[1]),
-                                  **({"block_table": block_table} if block_table is not None else {}))
+                                  block_table=block_table)
 
 
 @tree_attention_op.register_fake

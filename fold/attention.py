@@ -18,8 +18,11 @@ TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
 MAX_ALPHA = 1e4
 
 
+FAR_POSITIONS = ("shared", "fixed_distance")
+
+
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
-              softmax_scale=None, return_lse=False, backend="auto", check_ranges=None):
+              softmax_scale=None, return_lse=False, backend="auto", check_ranges=None, far_position="shared"):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -63,6 +66,9 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
             so the result merges with other states through :func:`fold.merge_states`.
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``),
             ``"torch"`` (any device), ``"auto"``: triton on CUDA, torch otherwise.
+        far_position: ``"shared"`` (FOLD, the default): every far entry sits at the one position
+            ``n - D``, i.e. at distance ``D + r`` from row ``r``. ``"fixed_distance"``: at distance ``D``
+            from every row (ReRoPE as the FOLD paper adapts it; pair it with ``alpha=1``).
         check_ranges: check the values of ``cache_seqlens`` (and the pages ``block_table`` uses)
             against the cache. Reading them costs a host sync on CUDA, so ``None`` (default) checks on
             the CPU and skips on CUDA; ``True`` always checks, ``False`` never. Skipped while
@@ -90,11 +96,14 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
     """
     args = _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale,
                      return_lse, backend, check_ranges)
+    if far_position not in FAR_POSITIONS:
+        raise ValueError(f"far_position must be one of {FAR_POSITIONS}, got {far_position!r}")
     from fold._ops import attention_op
 
     out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
                             args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],
-                            rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated, args["backend"])
+                            rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated,
+                            far_position == "shared", args["backend"])
     return (out, lse) if return_lse else out
 
 

@@ -97,11 +97,16 @@ def test_window_covering_everything_is_plain_rope_attention(backend, keys_rotate
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_alpha_one_is_one_softmax_over_position_mapped_logits(backend):
-    """alpha = 1: far entries are ordinary entries at the shared virtual position n - D."""
-    case = PROPERTY_CASE.with_(alpha=1.0)
+@pytest.mark.parametrize("keys_rotated", [False, True])
+@pytest.mark.parametrize("far_position", ["shared", "fixed_distance"])
+def test_alpha_one_is_one_softmax_over_position_mapped_logits(backend, keys_rotated, far_position):
+    """alpha = 1: far entries are ordinary entries at the shared virtual position n - D (FOLD), or at
+    p - D for row p (``far_position="fixed_distance"``, ReRoPE's rule)."""
+    case = PROPERTY_CASE.with_(alpha=1.0, keys_rotated=keys_rotated)
     q, k, v, seqlens = make_inputs(case)
-    out = fold.attention(q, k, v, **kwargs_of(case, seqlens), backend=backend)
+    out = fold.attention(q, k, v, **kwargs_of(case, seqlens), far_position=far_position, backend=backend)
+    if keys_rotated:                                                          # the same keys, unrotated
+        _, k, _, _ = make_inputs(case.with_(keys_rotated=False))
     rope = rope_of(case)
     d_pos = case.window + case.n_q
     for b, length in enumerate(case.seqlens):
@@ -109,7 +114,8 @@ def test_alpha_one_is_one_softmax_over_position_mapped_logits(backend):
         j = torch.arange(length)
         for r in range(case.n_q):
             p = n + r
-            mapped = torch.where(p - j < d_pos, j, n - d_pos)                  # far -> virtual position
+            virtual = n - d_pos if far_position == "shared" else p - d_pos
+            mapped = torch.where(p - j < d_pos, j, virtual)                    # far -> virtual position
             kb = _rotated(k[b, :length], mapped[:, None], rope)
             qb = _rotated(q[b, r:r + 1], torch.tensor([[p]]), rope)
             want = _sdpa(qb, kb, v[b, :length].to(torch.float64), case.group)

@@ -171,7 +171,7 @@ def test_the_ops_are_registered_custom_ops():
     q, k, v, seqlens = make_inputs(CASE, pad=0.0)
     torch.library.opcheck(torch.ops.fold.attention.default,
                           (q, k, v, fold.Rope.from_theta(10000.0, 16).inv_freq, seqlens.int(), None, 8, 2.0, 0.25, 16,
-                           False, 1.0, False, "torch"))
+                           False, 1.0, False, True, "torch"))
 
 
 def test_a_paged_read_is_configured_for_the_tables_reach(monkeypatch):

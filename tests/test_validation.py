@@ -51,6 +51,7 @@ BAD = [
     (dict(keys_rotated=1), TypeError, "keys_rotated must be a bool"),
     (dict(return_lse=None), TypeError, "return_lse must be a bool"),
     (dict(backend="cuda"), ValueError, "backend must be one of ('auto', 'torch', 'triton')"),
+    (dict(far_position="row"), ValueError, "far_position must be one of ('shared', 'fixed_distance')"),
 ]
 
 

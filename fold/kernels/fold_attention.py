@@ -181,6 +181,7 @@ def fold_fwd_kernel_prologue(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, ROT_BLOCK_N: tl.constexpr,
+    FAR_PER_ROW: tl.constexpr,
 ):
     # QW, QF: [B, Hkv, n_q * GROUP, BLOCK_D] in the key tile's column order (natural, except for the
     # branch that rotates keys when the pairs do not tile the head dim: pair order [a | b]);
@@ -218,11 +219,13 @@ def fold_fwd_kernel_prologue(
     m_store = m_row[:, None] & (o_c < HALF_P)[None, :]                                # [BM, HALF_P]
     p_w = QW + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     p_f = QF + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
-    # window at the true positions n + r; far memory at the shared distance D + r
+    # window at the true positions n + r; far memory at the shared distance D + r (FOLD), or at the
+    # distance D from every row (FAR_PER_ROW off: ReRoPE's rule)
     _rotate_store(p_w, qa, qb, (seq_len - n_q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M,
                   BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
-    _rotate_store(p_f, qa, qb, (window + n_q + o_r)[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
+    far_pos = window + n_q + o_r if FAR_PER_ROW else window + n_q + 0 * o_r
+    _rotate_store(p_f, qa, qb, far_pos[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
                   HEAD_DIM=HEAD_DIM)
 
@@ -446,7 +449,7 @@ def fold_fwd_kernel_stage2(
     stride_lseb, stride_lsen,
     heads_q, n_q, far_states, num_states, inv_alpha,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr, LSE_BASE2: tl.constexpr,
 ):
     # one row: its states [far splits | window splits] as one [BLOCK_S] vector and one [BLOCK_S, BLOCK_D] tile
     pid = tl.program_id(0)
@@ -488,7 +491,10 @@ def fold_fwd_kernel_stage2(
              out.to(Out.dtype.element_ty), mask=m_d)
     if RETURN_LSE:
         lse2 = m_safe + tl.log2(total)
-        tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * 0.6931471805599453)  # base 2 -> e
+        if LSE_BASE2:   # for another of fold's kernels (the tree's), which merges in base 2
+            tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2)
+        else:           # the public boundary: base 2 -> e, once
+            tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * 0.6931471805599453)
 
 
 def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n: int) -> int:
@@ -500,7 +506,7 @@ def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n:
 
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
-                       block_table=None):
+                       block_table=None, far_per_row=True, lse_base2=False):
     """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
     stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
@@ -508,7 +514,9 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     [B, max_blocks] int32 pages [num_blocks, page_size, Hkv, d] (``max_len = max_blocks * page_size``;
     cache_seqlens required); inv_freq [rotary_dim/2] fp32 on q's device; cache_seqlens [B] int or
     None; ``out_dtype`` defaults to q's (float32 keeps a state for merging). ``config.num_splits``
-    splits the far memory; the window gets :func:`window_splits`.
+    splits the far memory; the window gets :func:`window_splits`. ``far_per_row=False`` reads the far
+    memory at distance D from every row (ReRoPE) instead of D + r; ``lse_base2`` returns the LSE in
+    base 2 (for the tree launcher, which merges in base 2), not the public natural log.
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -550,7 +558,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
         heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
-        **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, num_warps=4,
+        **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, FAR_PER_ROW=far_per_row, num_warps=4,
     )
     for is_window, q_branch, splits, offset, block_n in (
             (True, qw, win_splits, far_splits, block_n_win), (False, qf, far_splits, 0, block_n_far)):
@@ -578,7 +586,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         lse.stride(0), lse.stride(1),
         heads_q, n_q, far_splits, states, 1.0 / alpha,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(states)), RETURN_LSE=return_lse,
+        BLOCK_S=max(2, triton.next_power_of_2(states)), RETURN_LSE=return_lse, LSE_BASE2=lse_base2,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out, (lse if return_lse else None)

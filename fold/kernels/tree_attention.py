@@ -15,7 +15,6 @@ import triton.language as tl
 from fold.kernels.fold_attention import INTERPRETED, LOG2E, FoldConfig, fold_attention_fwd
 
 # The tree is one tile (n_tree is small); rows per program are the launcher's block_m (a power of two >= 16).
-LOG2E_C = tl.constexpr(LOG2E)  # an fp32 constant in the kernel, not a Python float literal
 
 
 @triton.jit(do_not_specialize=["n_tree"])
@@ -71,8 +70,8 @@ def tree_fwd_kernel(
     o_tree = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) / tl.where(l_t == 0.0, 1.0, l_t)[:, None]
     lse_t = m_safe + tl.log2(l_t)           # -inf for a row that sees no node
 
-    # merge with the cached state (natural-log lse in, converted to base 2 here)
-    lse_c = tl.load(LseC + i_b * stride_lcb + o_i * stride_lcn + i_hq, mask=m_row, other=float("-inf")) * LOG2E_C
+    # merge with the cached state (its LSE arrives in base 2; converted to natural log once, at the store)
+    lse_c = tl.load(LseC + i_b * stride_lcb + o_i * stride_lcn + i_hq, mask=m_row, other=float("-inf"))  # base 2
     mx = tl.maximum(lse_c, lse_t)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w_c = tl.exp2(lse_c - mx)
@@ -101,7 +100,8 @@ def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seq
     o_c, lse_c = fold_attention_fwd(
         q, k_cache, v_cache, identity, cache_seqlens, window=max_len + n_tree, alpha=1.0,
         softmax_scale=softmax_scale, rotary_dim=2 * (head_dim // 2), interleaved=False, attention_factor=1.0,
-        keys_rotated=True, return_lse=True, config=config, out_dtype=torch.float32, block_table=block_table)
+        keys_rotated=True, return_lse=True, config=config, out_dtype=torch.float32, block_table=block_table,
+        lse_base2=True)
     m_tiles = triton.cdiv(n_tree * group, block_m)
     out = torch.empty_like(q)
     lse = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=torch.float32) if return_lse else out

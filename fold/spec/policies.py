@@ -46,7 +46,6 @@ import numbers
 import torch
 
 import fold
-from fold._torch_backend import fold_attention_torch
 from fold.attention import BACKENDS, MAX_ALPHA
 from fold.rope import rotate, work_dtype
 from fold.spec.retrieval import CMRRead, InfLLMRead
@@ -147,12 +146,12 @@ def yarn_rope(rope: fold.Rope, factor: float, reference_len: int, theta: float, 
                      attention_factor=rope.attention_factor * mscale)
 
 
-def rerope_read(q, k, v, *, rope, window, training_length=4096):
-    """ReRoPE as the paper adapts it: window at true distances, older entries at distance D, one softmax."""
+def rerope_read(q, k, v, *, rope, window, training_length=4096, backend="auto"):
+    """ReRoPE as the paper adapts it: window at true distances, older entries at distance D, one softmax
+    (``fold.attention`` with ``far_position="fixed_distance"`` and ``alpha=1``, on either backend)."""
     q = _rerope_scaled(q, k.shape[1] - q.shape[1], training_length)
-    out, _ = fold_attention_torch(q, k, v, rope, None, window=window, alpha=1.0, softmax_scale=q.shape[-1] ** -0.5,
-                                  keys_rotated=False, return_lse=False, far_distance_per_row=False)
-    return out
+    return fold.attention(q, k, v, window=window, rope=rope, alpha=1.0, far_position="fixed_distance",
+                          backend=backend)
 
 
 def _rotate_rows(x, positions, rope, work, factor=None):
@@ -384,7 +383,8 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
             return rerope_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal,
                                        window=window, training_length=training_length, backend=backend)
         return Read(lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window,
-                                                       training_length=training_length), sliding, rope=rope)
+                                                       training_length=training_length, backend=backend),
+                    sliding, rope=rope)
     if policy == "infllm":
         return Read(InfLLMRead(rope, window=window, block=o["infllm_block"], init=o["infllm_init"],
                                topk=o["infllm_topk"], repr_topk=o["infllm_repr"]), rope=rope)
