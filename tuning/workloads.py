@@ -46,11 +46,8 @@ DRAFTERS = {
 
 
 def _rotate(x, positions, rope):
-    # x [B, L, H, d] (NeoX layout, full rotary) -> R_pos x, computed in float32
-    angle = positions.to(x.device, torch.float32)[:, None] * rope.inv_freq_on(x.device)   # [L, d/2]
-    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
-    a, b = x.float().chunk(2, dim=-1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+    # x [L, H, d] -> R_pos x (fold's one RoPE: float64 angles, computed in float32, cast back)
+    return fold.rope.rotate(x.transpose(0, 1), positions.to(x.device), rope).transpose(0, 1)
 
 
 def make_inputs(shape: DrafterShape, length: int, *, batch: int = 1, dtype=torch.bfloat16, device="cpu",
