@@ -57,36 +57,55 @@ def _empty_state(q):
     return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
 
 
-def _fused_read(q, k, v, scale):
-    """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim), one dtype -> ``(o, lse)``."""
+def _fused_read(q, k, v, scale, mask=None):
+    """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim), one dtype, ``mask`` None or
+    additive ``[M, N]`` (0 or -inf; every row sees at least one entry) -> ``(o, lse)``."""
     if q.device.type == "cpu":
         # the CPU's fused flash kernel returns the LSE; it is wrong for a last dim with stride != 1
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], scale=scale)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], scale=scale, attn_mask=None if mask is None else mask.to(q.dtype)[None, None])
         return o[0], lse[0]
     work = work_dtype(q.dtype)
     state = _empty_state(q.to(work))
     for c0 in range(0, k.shape[1], MATH_CHUNK):
         kc, vc = k[:, c0:c0 + MATH_CHUNK].to(work), v[:, c0:c0 + MATH_CHUNK].to(work)
         s = torch.einsum("hmd,hnd->hmn", q.to(work), kc) * scale
+        if mask is not None:
+            s = s + mask[:, c0:c0 + MATH_CHUNK].to(work)
         state = merge_pair(*state, torch.softmax(s, dim=-1) @ vc, torch.logsumexp(s, dim=-1))
     return state
 
 
-def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int = 1, offset: int = 0):
+def _chunk_mask(head_mask, lo, c0, c1):
+    """The additive mask of entries ``[c0, c1)`` given ``head_mask [M, K]`` for the segment's first K
+    entries (``lo`` onwards; every later entry visible), or None where it is all zeros."""
+    if head_mask is None or c0 - lo >= head_mask.shape[1]:
+        return None
+    mask = head_mask.new_zeros(head_mask.shape[0], c1 - c0)
+    part = head_mask[:, c0 - lo:c1 - lo]
+    mask[:, :part.shape[1]] = part
+    return mask
+
+
+def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int = 1, offset: int = 0,
+          head_mask=None):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``; with ``rope`` entry j's key
     is first rotated by ``j + offset`` (``sign=1``) or ``-j`` (``sign=-1``, offset 0), a pure rotation.
-    Returns ``(o, lse)`` in q's dtype."""
+    ``head_mask [M, K]`` (additive) hides some of the first K entries from some rows. Returns ``(o, lse)``
+    in q's dtype."""
     if hi <= lo:
         return _empty_state(q)
     kv_dtype = cache.k.dtype
     q_in = q.to(kv_dtype)
     if rope is None and cache.as_stored():
         k, v = cache.rows(lo, hi)
-        o, lse = _fused_read(q_in, k.transpose(0, 1), v.transpose(0, 1), scale)
+        o, lse = _fused_read(q_in, k.transpose(0, 1), v.transpose(0, 1), scale, _chunk_mask(head_mask, lo, lo, hi))
         return o.to(q.dtype), lse.to(q.dtype)
     heads_kv, head_dim = cache.k.shape[-2], cache.k.shape[-1]
     chunk = max(64, CHUNK_BYTES // (heads_kv * head_dim * 4))
     chunk = -(-(hi - lo) // -(-(hi - lo) // chunk))                           # balanced: no tiny last chunk
+    if head_mask is not None:                       # the first chunk must hold an entry every row sees
+        chunk = max(chunk, head_mask.shape[1] + 1)
     # rotated keys are written as the cache stores them, [C, Hkv, d]: the fastest layout to write
     buf = torch.empty(min(chunk, hi - lo), heads_kv, head_dim, dtype=q.dtype, device=q.device) if rope else None
     state = None
@@ -103,7 +122,8 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int
         elif k.stride(-1) != 1:
             k = k.contiguous()
         k, v = k.transpose(0, 1), v.transpose(0, 1)                               # [Hkv, C, d]
-        o, lse = _fused_read(q_in, k, v if v.stride(-1) == 1 else v.contiguous(), scale)
+        o, lse = _fused_read(q_in, k, v if v.stride(-1) == 1 else v.contiguous(), scale,
+                             _chunk_mask(head_mask, lo, c0, c1))
         state = merge_into(state, o.to(q.dtype), lse.to(q.dtype))
     return state
 
@@ -115,6 +135,14 @@ def _masked_read(q, k, v, scale, visible):
     lse = torch.logsumexp(s, dim=-1)                                         # [H, M]
     p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
     return p @ v, lse
+
+
+def _rotate_rows(qm, start, rope, factor, per_row=True):
+    """``qm [Hkv, n_q, group, d]`` (work dtype) rotated at ``start + r`` for row r (``start`` for every
+    row without ``per_row``) with ``factor`` -> ``[Hkv, n_q * group, d]``; tables from :meth:`Rope.cos_sin`."""
+    n_q = qm.shape[1]
+    cos, sin = rope.cos_sin(start, n_q if per_row else 1, dtype=qm.dtype, device=qm.device)   # [n_q or 1, half]
+    return rotate_with(qm, (cos * factor)[:, None], (sin * factor)[:, None], rope).flatten(1, 2)
 
 
 def _pack(x, heads_kv):
@@ -157,22 +185,23 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         n = length - n_q
         win_lo, far_hi = n - window - n_q + 1, n - window
         a, c = max(0, win_lo), max(0, far_hi)
-        qm = _pack(q[b], heads_kv).to(work)
-        far_pos = window + n_q + (row_r if far_distance_per_row else 0 * row_r)
-        q_far = rotate(qm, far_pos, rope, factor=q_factor)
-        q_win = rotate(qm, row_r + (n if keys_rotated else 0), rope, factor=q_factor)  # unrotated: relative to n
+        qm = _pack(q[b], heads_kv).to(work).view(heads_kv, n_q, -1, head_dim)        # [Hkv, n_q, group, d]
+        far_start = window + n_q
+        q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_distance_per_row)
+        q_win = _rotate_rows(qm, n if keys_rotated else 0, rope, q_factor)           # unrotated: relative to n
 
         far = _read(q_far, cache, 0, a, alpha * softmax_scale, *((rope, -1, 0) if keys_rotated else ()))
-        win = _read(q_win, cache, c, length, softmax_scale, *(() if keys_rotated else (rope, 1, -n)))
-        if c > a:
+        # the window read starts at the n_q - 1 mixed entries [a, c): row r sees entry j iff j >= win_lo + r
+        jm = torch.arange(a, c, device=q.device)
+        in_window = jm[None, :] >= (win_lo + row_r)[:, None]                            # [M, c - a]
+        head_mask = torch.zeros(in_window.shape, dtype=work, device=q.device).masked_fill_(~in_window, float("-inf"))
+        win = _read(q_win, cache, a, length, softmax_scale, *(() if keys_rotated else (rope, 1, -n)),
+                    head_mask=head_mask if c > a else None)
+        if c > a:                                                                       # their far part
             km, vm = cache.rows(a, c)
             km, vm = km.transpose(0, 1).to(work), vm.transpose(0, 1).to(work)            # [Hkv, c - a, d]
-            jm = torch.arange(a, c, device=q.device)
-            in_window = jm[None, :] >= (win_lo + row_r)[:, None]                        # [M, c - a]
             k_far = rotate(km, -jm, rope, factor=1.0) if keys_rotated else km
-            k_win = km if keys_rotated else rotate(km, jm - n, rope, factor=1.0)
             far = merge_pair(*far, *_masked_read(q_far, k_far, vm, alpha * softmax_scale, ~in_window))
-            win = merge_pair(*win, *_masked_read(q_win, k_win, vm, softmax_scale, in_window))
         o, lse = merge_pair(*win, far[0], far[1] / alpha)                              # [Hkv, M, d], [Hkv, M]
         out[b] = _unpack(o, n_q)
         if return_lse:
