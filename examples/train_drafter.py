@@ -1,21 +1,33 @@
-"""Train a z-lab DFlash drafter for the demo target, through fold's own drafter module, on CPU.
+"""Train a z-lab DFlash drafter for the demo target, through fold's own drafter module, on the CPU or a GPU.
 
     python examples/train_drafter.py --target fold/demo/artifacts/target --out fold/demo/artifacts/drafter
     python examples/train_drafter.py ... --anchor-offset --out fold/demo/artifacts/drafter_anchor
 
+Start: with ``--init copy`` (the default) the drafter starts as the closed-form copy circuit of
+``examples/drafter_init.py`` (it needs a target with a context channel); ``--init random`` starts
+from normal(0, 0.02) weights, which on these CPUs did not learn to copy (see the demo's README section).
+
 The module is ``fold.spec.drafter.Drafter`` (what ``spec.load_drafter`` builds); this script only
 adds a parallel training forward: many blocks per sequence, each ``[token at a, MASK x (B-1)]``
 reading the target features of entries ``< a`` and its own block (bidirectional), labels = the
-target's greedy tokens at the masked slots (positions ``a+1 .. a+B-1``), slot weights
-``decay ** (slot - 1)``. The target (its embedding and LM head too) is frozen.
+target's greedy tokens at the masked slots (positions ``a+1 .. a+B-1``). The target (its embedding
+and LM head too) is frozen, so its features are computed once per sequence into a pool
+(``--pool`` sequences, ``--refresh`` of them replaced by new ones every step): a step costs the
+drafter alone.
+
+Copying: the data mix is mostly documents where copying is the only way to predict (``--mix``);
+a slot whose answer continues an earlier occurrence of the two tokens before it (``data.copy_mask``)
+weighs ``1 + --copy-weight`` in the loss, slot ``k`` also ``--decay ** (k - 1)``, and
+``--copy-anchors`` of the blocks start where the next token is such a copy.
 
 Positions: true positions by default (as real drafters are trained, on short sequences). With
 ``--anchor-offset``, LongSpec's anchor-offset indices: the first ``--sinks`` positions are kept and
 every later one is shifted by one random offset per sequence in ``[0, --max-offset]``.
 
 Writes a z-lab DFlash directory (``config.json`` with ``DFlashDraftModel`` and ``dflash_config``,
-``model.safetensors`` in bfloat16) and ``train_log.json``; then loads it back through
-``spec.load_drafter`` and checks that the loaded module reproduces the training forward.
+``model.safetensors`` in bfloat16) and ``train_log.json`` (device, threads, wall time, loss curve,
+copy ability at the training length); then loads it back through ``spec.load_drafter`` and checks
+that the loaded module reproduces the training forward.
 """
 
 from __future__ import annotations
@@ -33,11 +45,14 @@ import transformers
 from safetensors.torch import save_file
 
 import fold.demo  # noqa: F401  (registers the fold_toy target)
+from fold import spec
 from fold.demo import data
 from fold.spec import load_drafter
 from fold.spec.drafter import Drafter, DrafterConfig
 from fold.spec.loading import read_config
 from fold.spec.policies import plain_read
+from drafter_init import copy_circuit_init
+from train_target import MIX_HELP, check_device, check_mix, positive
 
 
 def drafter_config(target_config, args) -> dict:
@@ -45,7 +60,7 @@ def drafter_config(target_config, args) -> dict:
     return dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=target_config.hidden_size,
                 intermediate_size=3 * target_config.hidden_size, num_hidden_layers=args.layers,
                 num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
-                head_dim=target_config.hidden_size // args.heads, rms_norm_eps=1e-6, attention_bias=False,
+                head_dim=args.head_dim or target_config.hidden_size // args.heads, rms_norm_eps=1e-6, attention_bias=False,
                 hidden_act="silu", vocab_size=target_config.vocab_size, max_position_embeddings=262144,
                 num_target_layers=target_config.num_hidden_layers,
                 rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
@@ -108,85 +123,233 @@ def sample_positions(rng: random.Random, batch: int, length: int, anchor_offset:
     return pos
 
 
-def train_step_inputs(target, drafter, rng, code, args):
-    ids = torch.tensor([list(data.training_sample(rng, code, args.seq_len, tuple(args.mix)))
-                        for _ in range(args.batch)])
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-        features = drafter.features(out.hidden_states).float()
-        greedy = out.logits.argmax(-1)                                          # target's token after each entry
+class FeaturePool:
+    """Training sequences with the frozen target's features and greedy tokens, computed once each.
+
+    Holds ``size`` sequences; :meth:`refresh` replaces ``n`` random ones with new sequences, so the
+    data keep changing while a step mostly costs the drafter alone."""
+
+    def __init__(self, target, drafter, tokenizer, code, args, rng):
+        self.target, self.drafter, self.tokenizer, self.code, self.args, self.rng = \
+            target, drafter, tokenizer, code, args, rng
+        self.ids = self.features = self.greedy = self.copy = None
+        self.size = args.pool
+        self._fill(range(self.size))
+
+    @torch.no_grad()
+    def compute(self, n: int):
+        """``n`` new sequences -> (ids [n, T], features [n, T, k*H] bf16, greedy [n, T], copy [n, T])."""
+        a = self.args
+        ids = torch.tensor([data.training_sample(self.rng, self.tokenizer, self.code, a.seq_len, a.mix)
+                            for _ in range(n)], device=a.device)
+        with torch.autocast(a.device.type, dtype=torch.bfloat16):
+            out = self.target(ids, output_hidden_states=True)
+        features = self.drafter.features(out.hidden_states).to(torch.bfloat16)
+        return ids, features, out.logits.argmax(-1), data.copy_mask(ids.cpu()).to(a.device)
+
+    def _fill(self, rows):
+        rows = list(rows)
+        for lo in range(0, len(rows), 16):
+            part = rows[lo:lo + 16]
+            ids, features, greedy, copy = self.compute(len(part))
+            if self.ids is None:
+                shape = lambda x: (self.size, *x.shape[1:])  # noqa: E731
+                self.ids, self.features = ids.new_empty(shape(ids)), features.new_empty(shape(features))
+                self.greedy, self.copy = greedy.new_empty(shape(greedy)), copy.new_empty(shape(copy))
+            idx = torch.tensor(part, device=ids.device)
+            self.ids[idx], self.features[idx], self.greedy[idx], self.copy[idx] = ids, features, greedy, copy
+
+    def refresh(self, n: int):
+        if n:
+            self._fill(self.rng.sample(range(self.size), n))
+
+    def batch(self, n: int):
+        idx = torch.tensor(self.rng.sample(range(self.size), n), device=self.ids.device)
+        return self.ids[idx], self.features[idx].float(), self.greedy[idx], self.copy[idx]
+
+
+def choose_anchors(rng: random.Random, copy_row: torch.Tensor, args) -> list[int]:
+    """``--blocks`` distinct anchors in ``[min_context, T - bs]``; a share ``--copy-anchors`` of them
+    where the next token is a copy (when the row has such places)."""
+    lo, hi = args.min_context, args.seq_len - args.block_size
+    at_copy = [a for a in (copy_row[lo + 1:hi + 2].nonzero().flatten() + lo).tolist() if a <= hi]
+    n_copy = min(len(at_copy), round(args.blocks * args.copy_anchors))
+    chosen = set(rng.sample(at_copy, n_copy))
+    rest = [a for a in range(lo, hi + 1) if a not in chosen]
+    chosen.update(rng.sample(rest, args.blocks - len(chosen)))
+    return sorted(chosen)
+
+
+def step_inputs(pool: FeaturePool, rng: random.Random, args):
+    ids, features, greedy, copy = pool.batch(args.batch)
+    anchors = torch.tensor([choose_anchors(rng, copy[b].cpu(), args) for b in range(args.batch)], device=ids.device)
     bs = args.block_size
-    anchors = torch.stack([torch.tensor(sorted(rng.sample(range(args.min_context, args.seq_len - bs + 1),
-                                                          args.blocks))) for _ in range(args.batch)])
     # slot i of block a predicts the token at a + i: the target's greedy choice after entry a + i - 1
-    labels = greedy.gather(1, (anchors[:, :, None] + torch.arange(bs - 1)).flatten(1))
-    labels = labels.view(args.batch, args.blocks, bs - 1)
-    positions = sample_positions(rng, args.batch, args.seq_len + bs, args.anchor_offset, args.sinks, args.max_offset)
-    return ids, features, anchors, labels, positions
+    cols = (anchors[:, :, None] + torch.arange(bs - 1, device=ids.device)).flatten(1)
+    labels = greedy.gather(1, cols).view(args.batch, args.blocks, bs - 1)
+    is_copy = copy.gather(1, cols + 1).view(args.batch, args.blocks, bs - 1)
+    positions = sample_positions(rng, args.batch, args.seq_len + bs, args.anchor_offset, args.sinks,
+                                 args.max_offset).to(ids.device)
+    return ids, features, anchors, labels, is_copy, positions
 
 
-def main(argv=None):
+@torch.no_grad()
+def copy_ability(target, drafter, tokenizer, code, args, n: int = 8, seed: int = 99) -> dict:
+    """Copy ability at the training length, before any long-context run.
+
+    - ``slot_accuracy_on_copies``: per slot, the share of copy positions (``data.copy_mask``) whose
+      draft equals the target's greedy token, in the training forward on fresh sequences;
+    - ``retrieval_tau``: ``spec.generate``'s tau (policy ``dflash``, every entry at its true
+      position) on retrieval prompts of the training length, the value stored at least half of it back.
+    """
+    rng = random.Random(seed)
+    was_training = drafter.training
+    drafter.eval()
+    hits = torch.zeros(args.block_size - 1)
+    counts = torch.zeros(args.block_size - 1)
+    for _ in range(n):
+        ids = torch.tensor([data.training_sample(rng, tokenizer, code, args.seq_len, args.mix)], device=args.device)
+        out = target(ids, output_hidden_states=True)
+        feats, greedy, copy = drafter.features(out.hidden_states).float(), out.logits.argmax(-1), data.copy_mask(ids.cpu())
+        anchors = torch.arange(args.min_context, args.seq_len - args.block_size, device=args.device)[None]
+        pos = torch.arange(args.seq_len + args.block_size, device=args.device)[None]
+        pred = block_logits(drafter, feats, ids, anchors, pos).argmax(-1)[0].cpu()          # [K, bs-1]
+        cols = (anchors[0, :, None].cpu() + torch.arange(args.block_size - 1))
+        ok = pred == greedy[0].cpu()[cols]
+        mask = copy[0][cols + 1]
+        hits += (ok & mask).sum(0)
+        counts += mask.sum(0)
+    taus = []
+    for _ in range(n):
+        prompt, answer = data.retrieval_prompt(rng, tokenizer, args.seq_len, args.seq_len // 2)
+        res = spec.generate(target, drafter, torch.tensor([prompt], device=args.device), max_new_tokens=len(answer),
+                            policy="dflash")
+        taus.append(res.tau)
+    drafter.train(was_training)
+    return dict(slot_accuracy_on_copies=[round(float(h / max(c, 1)), 3) for h, c in zip(hits, counts)],
+                copy_positions=int(counts[0]), retrieval_tau=round(sum(taus) / len(taus), 3))
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=15.0)
-    ap.add_argument("--max-steps", type=int, default=None)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--blocks", type=int, default=48, help="blocks (anchors) per sequence")
-    ap.add_argument("--min-context", type=int, default=16)
+    ap.add_argument("--minutes", type=positive(float), default=22.0)
+    ap.add_argument("--max-steps", type=positive(int), default=None)
+    ap.add_argument("--seq-len", type=positive(int), default=256, help="tokens per training sequence")
+    ap.add_argument("--batch", type=positive(int), default=8)
+    ap.add_argument("--blocks", type=positive(int), default=8, help="blocks (anchors) per sequence")
+    ap.add_argument("--min-context", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--taps", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rope-theta", type=float, default=10000.0)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--decay", type=float, default=0.9, help="loss weight decay per slot")
-    ap.add_argument("--mix", type=float, nargs=3, default=[0.4, 0.4, 0.2],
-                    help="shares of code, key-value and repeated-line windows (copying needs the latter two)")
+    ap.add_argument("--layers", type=positive(int), default=2)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64, help="per head (0: hidden size / heads)")
+    ap.add_argument("--taps", type=int, nargs="+", default=[0, 2], help="target layers whose outputs the drafter reads")
+    ap.add_argument("--rope-theta", type=positive(float), default=1e6)
+    ap.add_argument("--init", choices=("copy", "random"), default="copy",
+                    help="copy: start from the copy circuit of examples/drafter_init.py (needs a target with a "
+                         "context channel); random: normal(0, 0.02)")
+    ap.add_argument("--lr", type=positive(float), default=5e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--decay", type=positive(float), default=0.9, help="loss weight decay per slot")
+    ap.add_argument("--copy-weight", type=float, default=2.0, help="extra loss weight of a slot whose answer is a copy")
+    ap.add_argument("--copy-anchors", type=float, default=0.5, help="share of blocks starting before a copy")
+    ap.add_argument("--mix", type=float, nargs=len(data.DOCUMENT_KINDS), default=[0.3, 0.3, 0.2, 0.2], help=MIX_HELP)
+    ap.add_argument("--pool", type=positive(int), default=2048, help="training sequences held with their features")
+    ap.add_argument("--refresh", type=int, default=2, help="pool sequences replaced by new ones every step")
     ap.add_argument("--anchor-offset", action="store_true")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--max-offset", type=int, default=32768)
+    ap.add_argument("--eval-every", type=int, default=0, help="measure copy ability every this many steps (0: at the end)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the same code runs on both)")
+    ap.add_argument("--threads", type=positive(int), default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--stdlib", type=Path, default=None)
     args = ap.parse_args(argv)
+    check_mix(ap, args.mix)
+    args.device = check_device(ap, args.device)
+    if not (args.target / "config.json").is_file():
+        ap.error(f"--target {args.target} is not a model directory (no config.json)")
+    if args.block_size < 2:
+        ap.error(f"--block-size must be >= 2 (the anchor and at least one draft), got {args.block_size}")
+    if args.heads < 2 or args.heads % 2:
+        ap.error(f"--heads must be even (heads_kv = heads / 2), got {args.heads}")
+    for name in ("min_context", "sinks", "max_offset", "refresh", "eval_every"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.weight_decay < 0:
+        ap.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.copy_weight < 0 or not 0 <= args.copy_anchors <= 1:
+        ap.error(f"--copy-weight must be >= 0 and --copy-anchors in [0, 1], got {args.copy_weight}, {args.copy_anchors}")
+    room = args.seq_len - args.block_size - args.min_context + 1
+    if room < args.blocks:
+        ap.error(f"--blocks {args.blocks} do not fit: {room} anchors lie in [--min-context, --seq-len - --block-size]")
+    if args.refresh > args.pool or args.batch > args.pool:
+        ap.error(f"--refresh ({args.refresh}) and --batch ({args.batch}) must not exceed --pool ({args.pool})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(args.device).eval()
+    if args.heads > 0 and target.config.hidden_size % args.heads:
+        raise SystemExit(f"--heads {args.heads} must divide the target's hidden size {target.config.hidden_size}")
+    bad = [t for t in args.taps if not 0 <= t < target.config.num_hidden_layers - 1]
+    if bad:
+        raise SystemExit(f"--taps {bad} out of range: the target has layers 0..{target.config.num_hidden_layers - 2} "
+                         "to tap (not the last)")
     for p in target.parameters():
         p.requires_grad_(False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
     code, _ = data.split_corpus(args.stdlib)
     args.out.mkdir(parents=True, exist_ok=True)
     config = drafter_config(target.config, args)
     (args.out / "config.json").write_text(json.dumps(config, indent=1))
     cfg: DrafterConfig = read_config(args.out, target.config)
-    drafter = Drafter(cfg)
+    drafter = Drafter(cfg).to(args.device)
     drafter.bind(target)
     drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32)
-    log = dict(args={k: str(v) for k, v in vars(args).items()}, params=sum(p.numel() for p in params), steps=[])
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32, device=args.device)
+    log = dict(args={k: str(v) for k, v in vars(args).items()}, device=str(args.device),
+               device_name=(torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"),
+               threads=torch.get_num_threads(), params=sum(p.numel() for p in params), steps=[], evals=[])
     print(f"drafter: {log['params'] / 1e6:.2f}M parameters, block {args.block_size}, taps {args.taps}, "
-          f"{'anchor-offset' if args.anchor_offset else 'true'} positions")
+          f"{'anchor-offset' if args.anchor_offset else 'true'} positions, on {args.device}")
+    t_pool = time.perf_counter()
+    pool = FeaturePool(target, drafter, tokenizer, code, args, random.Random(args.seed + 1))
+    log["pool_seconds"] = round(time.perf_counter() - t_pool, 1)
+    print(f"feature pool: {args.pool} sequences in {log['pool_seconds']:.0f} s", flush=True)
+    if args.init == "copy":
+        n = min(args.pool, 48)
+        samples = (pool.features[:n].flatten(0, 1).float().cpu(), pool.ids[:n].flatten().cpu())
+        log["copy_init"] = copy_circuit_init(drafter.cpu(), target.config, samples)
+        drafter.to(args.device)
+        log["copy_ability_at_init"] = copy_ability(target, drafter, tokenizer, code, args)
+        print("copy circuit:", log["copy_init"], "copy ability at init:", log["copy_ability_at_init"], flush=True)
     budget, t0, step = args.minutes * 60, time.perf_counter(), 0
     drafter.train()
     while True:
         frac = (time.perf_counter() - t0) / budget
         if frac >= 1 or (args.max_steps is not None and step >= args.max_steps):
             break
+        if args.max_steps is not None:
+            frac = max(frac, step / args.max_steps)
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * frac))
-        ids, features, anchors, labels, positions = train_step_inputs(target, drafter, rng, code, args)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        pool.refresh(args.refresh)
+        ids, features, anchors, labels, is_copy, positions = step_inputs(pool, rng, args)
+        with torch.autocast(args.device.type, dtype=torch.bfloat16):
             logits = block_logits(drafter, features, ids, anchors, positions)
         ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-        loss = (ce * weights).sum(-1).mean() / weights.sum()
+        w = weights * (1 + args.copy_weight * is_copy.float())
+        loss = (ce * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -194,17 +357,25 @@ def main(argv=None):
         step += 1
         if step % 10 == 0 or step == 1:
             with torch.no_grad():     # train tau of a greedy chain: 1 + accepted prefix of the drafts
-                ok = (logits.argmax(-1) == labels).int().cumprod(-1).sum(-1).float().mean().item() + 1
+                right = logits.argmax(-1) == labels
+                tau = right.int().cumprod(-1).sum(-1).float().mean().item() + 1
+                first_copy = right[..., 0][is_copy[..., 0]].float().mean().item() if is_copy[..., 0].any() else 0.0
             log["steps"].append(dict(step=step, seconds=round(time.perf_counter() - t0, 1), loss=round(loss.item(), 4),
-                                     train_tau=round(ok, 3)))
+                                     train_tau=round(tau, 3), first_slot_copy_acc=round(first_copy, 3)))
             print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
-                  f"train tau {ok:.2f}", flush=True)
+                  f"train tau {tau:.2f}  first-slot copy acc {first_copy:.2f}", flush=True)
+        if args.eval_every and step % args.eval_every == 0:
+            ev = dict(step=step, **copy_ability(target, drafter, tokenizer, code, args))
+            log["evals"].append(ev)
+            print("copy ability:", ev, flush=True)
     log["train_seconds"] = round(time.perf_counter() - t0, 1)
     log["total_steps"] = step
     drafter.eval()
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    log["copy_ability"] = copy_ability(target, drafter, tokenizer, code, args)
+    print("copy ability at the training length:", log["copy_ability"])
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, str(args.out / "model.safetensors"))
-    log["load_check_max_abs_diff"] = check_loaded(args.out, target, rng, code, args)
+    log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng, code, args)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
     print(f"saved {args.out} (loaded back through spec.load_drafter; "
           f"max |logit diff| vs the training forward {log['load_check_max_abs_diff']:.3g})")
@@ -212,19 +383,21 @@ def main(argv=None):
 
 
 @torch.no_grad()
-def check_loaded(path, target, rng, code, args) -> float:
+def check_loaded(path, target, tokenizer, rng, code, args) -> float:
     """Load the directory through ``spec.load_drafter`` and compare its inference path (the plain
     read) with the training forward of the same loaded (bf16-rounded) weights on one block."""
     loaded = load_drafter(path, target).float()
-    ids = torch.tensor([list(data.training_sample(rng, code, 256))])
+    n = max(args.seq_len, 2 * args.block_size + 2)
+    ids = torch.tensor([data.training_sample(rng, tokenizer, code, n, args.mix)], device=args.device)
     out = target(ids, output_hidden_states=True)
     features = loaded.features(out.hidden_states)
-    a = 200
-    state = loaded.new_state(256, ids.device, torch.float32)
+    a = n - args.block_size - 1
+    state = loaded.new_state(n, ids.device, torch.float32)
     loaded.append_context(state, features[:, :a])
     inference = loaded.slot_logits(state, int(ids[0, a]),
                                    lambda q, k, v, layer: plain_read(q, k, v, loaded.cfg.rope, "torch"))
-    training = block_logits(loaded, features, ids, torch.tensor([[a]]), torch.arange(256 + args.block_size)[None])
+    training = block_logits(loaded, features, ids, torch.tensor([[a]], device=ids.device),
+                            torch.arange(n + args.block_size, device=ids.device)[None])
     return float((inference - training[0, 0]).abs().max())
 
 

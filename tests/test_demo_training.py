@@ -1,4 +1,4 @@
-"""Smoke tests of the demo's training scripts (a few steps on tiny data) and of the toy target."""
+"""Smoke tests of the demo's training scripts (a few steps on tiny data), its data and the toy target."""
 
 import json
 import random
@@ -14,6 +14,7 @@ from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
 from fold.spec import load_drafter
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import drafter_init  # noqa: E402
 import train_drafter  # noqa: E402
 import train_target  # noqa: E402
 
@@ -31,28 +32,58 @@ def tiny_stdlib(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_stdlib, tmp_path_factory):
+    code, _ = data.split_corpus(tiny_stdlib)
+    rng = random.Random(1)
+    texts = [code] + [data.training_text(rng, code, 2000, kind) for kind in ("kv", "lines", "strings") for _ in range(3)]
+    path = tmp_path_factory.mktemp("tok")
+    data.save_tokenizer(data.train_tokenizer(texts, 400), path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 def test_split_keeps_held_out_packages_out_of_training(tiny_stdlib):
     train, held = data.split_corpus(tiny_stdlib)
     assert set(held) == set(data.HELD_OUT)
     for pkg in data.HELD_OUT:
-        assert f"# file: {pkg}/".encode() not in train and held[pkg].startswith(f"# file: {pkg}/".encode())
-    assert b"# file: alpha.py" in train
+        assert f"# file: {pkg}/" not in train and held[pkg].startswith(f"# file: {pkg}/")
+    assert "# file: alpha.py" in train
 
 
-def test_retrieval_prompt_asks_for_a_far_key():
-    rng = random.Random(3)
-    prompt = data.retrieval_prompt(rng, 4096, 2000)
-    key = prompt.rsplit(b"\n", 1)[-1]
-    assert key.endswith(b":") and abs(len(prompt) - 4096) < 64
-    stored = prompt.index(b"\n" + key) + 1
-    assert len(prompt) - stored >= 2000 and prompt.count(b"\n" + key) == 2      # stored once, then asked
+def test_tokenizer_loads_with_autotokenizer_and_round_trips(tiny_tokenizer):
+    assert len(tiny_tokenizer) == 400
+    assert tiny_tokenizer.convert_ids_to_tokens(tiny_tokenizer.mask_token_id) == data.MASK_TOKEN
+    text = "def alpha_3(x):\n    return x + 3\nkey_12: 0f3a9c2e 77bd0a4c\n"
+    ids = data.encode(tiny_tokenizer, text)
+    assert tiny_tokenizer.decode(ids) == text and len(ids) < len(text)          # subwords, not bytes
+    assert data.MASK_TOKEN not in tiny_tokenizer.decode(ids)
 
 
-def _tiny_target(path, seed=0):
+def test_retrieval_prompt_asks_for_a_far_key(tiny_tokenizer):
+    prompt, answer = data.retrieval_prompt(random.Random(3), tiny_tokenizer, 600, 300)
+    text = tiny_tokenizer.decode(prompt)
+    key = text.rsplit("\n", 1)[-1]
+    value = tiny_tokenizer.decode(answer)
+    assert key.endswith(":") and 600 - 40 < len(prompt) <= 600
+    assert text.count("\n" + key) == 2 and ("\n" + key + value + "\n") in text   # stored once, then asked
+    stored = prompt.index(answer[0], 0)
+    assert len(prompt) - stored >= 300 and len(value.split()) == 2
+
+
+def test_copy_mask_marks_continuations_of_earlier_ngrams():
+    ids = torch.tensor([[5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 9]])
+    mask = data.copy_mask(ids, order=2)[0].tolist()
+    # "5 6" is followed by 7 twice (position 7 is a copy); at position 11 it is followed by 9, not 7
+    assert mask == [False] * 7 + [True] + [False] * 4
+
+
+def _tiny_target(path, seed=0, vocab=257, mask_token_id=256):
     torch.manual_seed(seed)
-    cfg = FoldToyConfig(hidden_size=32, intermediate_size=64, head_dim=8, sliding_window=16, conv_taps=4)
+    cfg = FoldToyConfig(vocab_size=vocab, mask_token_id=mask_token_id, hidden_size=64, intermediate_size=64,
+                        head_dim=16, sliding_window=16, conv_taps=4, channel_lags=3, channel_width=4)
     model = FoldToyForCausalLM(cfg)
-    model.model.layers[2].self_attn.induction_init(lags=2, generator=torch.Generator().manual_seed(seed))
+    model.model.layers[2].self_attn.induction_init(lags=2, generator=torch.Generator().manual_seed(seed), copy_gain=2.0)
+    model.init_context_channel(generator=torch.Generator().manual_seed(seed))
     model.save_pretrained(path)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -70,6 +101,22 @@ def test_toy_target_cache_matches_full_forward(tmp_path):
         cache.crop(-13)                                   # speculative rejection: drop the last entries
         again = target(ids[:, 77:90], cache=cache, use_cache=True).logits
         torch.testing.assert_close(again, full[:, 77:90])
+
+
+def test_context_channel_holds_the_previous_codes_and_no_layer_writes_it(tmp_path):
+    target = _tiny_target(tmp_path / "t")
+    cfg = target.config
+    ids = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    table = target.model.embed_tokens.weight
+    base, w = cfg.write_dims, cfg.channel_width
+    for layer_out in hidden[1:-1]:                        # every layer's output (the last one is normed)
+        assert torch.equal(layer_out[..., base:], hidden[0][..., base:])
+    for lag in range(cfg.channel_lags + 1):
+        slot = hidden[0][0, 10, base + 1 + lag * w:base + 1 + (lag + 1) * w]
+        assert torch.equal(slot, table[ids[0, 10 - lag], base + 1:base + 1 + w])
+    assert bool((hidden[0][0, :, base] == 1).all())
 
 
 def test_toy_target_reloads_exactly(tmp_path):
@@ -106,30 +153,85 @@ def test_induction_init_copies_a_repeated_sequence():
 
 
 def test_train_target_smoke(tiny_stdlib, tmp_path):
-    log = train_target.main(["--out", str(tmp_path / "target"), "--max-steps", "3", "--minutes", "5",
-                             "--seq-len", "64", "--batch", "2", "--hidden", "32", "--eval-lengths", "128",
-                             "--stdlib", str(tiny_stdlib)])
-    assert log["total_steps"] == 3 and all(s["loss"] == s["loss"] for s in log["steps"])   # no NaN
+    log = train_target.main(["--out", str(tmp_path / "target"), "--max-steps", "2", "--seq-len", "64", "--batch", "2",
+                             "--hidden", "64", "--vocab", "400", "--channel-lags", "2", "--channel-width", "4",
+                             "--eval-lengths", "128", "--stdlib", str(tiny_stdlib), "--threads", "1"])
+    assert log["total_steps"] == 2 and all(s["loss"] == s["loss"] for s in log["steps"])   # no NaN
+    assert log["device"] == "cpu" and log["threads"] == 1 and log["train_seconds"] >= 0
     target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target")
     assert isinstance(target, FoldToyForCausalLM) and target.dtype == torch.bfloat16
-    assert json.loads((tmp_path / "target" / "train_log.json").read_text())["total_steps"] == 3
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "target")
+    assert len(tokenizer) == target.config.vocab_size == 400
+    assert tokenizer.mask_token_id == target.config.mask_token_id
+    assert json.loads((tmp_path / "target" / "train_log.json").read_text())["total_steps"] == 2
 
 
 @pytest.mark.parametrize("anchor_offset", [False, True])
-def test_train_drafter_smoke(tiny_stdlib, tmp_path, anchor_offset):
-    _tiny_target(tmp_path / "target")
+def test_train_drafter_smoke(tiny_stdlib, tiny_tokenizer, tmp_path, anchor_offset):
+    target = _tiny_target(tmp_path / "target", vocab=len(tiny_tokenizer), mask_token_id=tiny_tokenizer.mask_token_id)
+    tiny_tokenizer.save_pretrained(tmp_path / "target")
     out = tmp_path / "drafter"
-    log = train_drafter.main(["--target", str(tmp_path / "target"), "--out", str(out), "--max-steps", "3",
-                              "--seq-len", "64", "--batch", "2", "--blocks", "4", "--block-size", "4",
-                              "--stdlib", str(tiny_stdlib), "--max-offset", "5000"]
-                             + (["--anchor-offset"] if anchor_offset else []))
-    assert log["total_steps"] == 3
+    log = train_drafter.main(["--target", str(tmp_path / "target"), "--out", str(out), "--max-steps", "2",
+                              "--seq-len", "64", "--batch", "2", "--blocks", "4", "--block-size", "4", "--pool", "4",
+                              "--heads", "4", "--taps", "1", "--stdlib", str(tiny_stdlib), "--max-offset", "5000",
+                              "--threads", "1"] + (["--anchor-offset"] if anchor_offset else []))
+    assert log["total_steps"] == 2 and log["device"] == "cpu"
+    assert set(log["copy_ability"]) == {"slot_accuracy_on_copies", "copy_positions", "retrieval_tau"}
     # the loaded module's inference path reproduces the training forward (bf16 weights, fp32 compute)
     assert log["load_check_max_abs_diff"] < 1e-3
-    target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32)
     drafter = load_drafter(out, target)
-    assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == [0, 1, 2]
+    assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == [1]
     assert json.loads((out / "config.json").read_text())["fold_training"]["anchor_offset"] is anchor_offset
+
+
+def test_copy_circuit_copies_at_init(tiny_stdlib, tmp_path):
+    """The closed-form copy circuit, before any training: on a sequence that repeats its first half,
+    the first drafted slot names the token that followed the earlier occurrence."""
+    target = _tiny_target(tmp_path / "target")
+    args = train_drafter.parse_args(["--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
+                                     "--heads", "4", "--taps", "1", "--block-size", "4"])
+    args.out.mkdir()
+    (args.out / "config.json").write_text(json.dumps(train_drafter.drafter_config(target.config, args)))
+    from fold.spec.drafter import Drafter
+    from fold.spec.loading import read_config
+
+    drafter = Drafter(read_config(args.out, target.config))
+    drafter.bind(target)
+    gen = torch.Generator().manual_seed(0)
+    half = torch.randint(0, 250, (1, 60), generator=gen)
+    ids = torch.cat([half, half], 1)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        feats = drafter.features(out.hidden_states)
+    drafter_init.copy_circuit_init(drafter, target.config, (feats[0], ids[0]))
+    anchors = torch.arange(70, 110)[None]
+    logits = train_drafter.block_logits(drafter, feats, ids, anchors, torch.arange(124)[None])
+    first = logits[0, :, 0].argmax(-1)
+    assert (first == ids[0, anchors[0] + 1]).float().mean() > 0.6      # chance: about 1 / 250
+
+
+@pytest.mark.parametrize("script, args, words", [
+    ("target", ["--mix", "0.5", "0.5", "0.5", "0"], "--mix takes 4 shares >= 0 summing to 1"),
+    ("target", ["--max-steps", "0"], "--max-steps: must be > 0"),
+    ("target", ["--seq-len", "-3"], "--seq-len: must be > 0"),
+    ("target", ["--vocab", "100"], "--vocab must be >= 300"),
+    ("target", ["--device", "cuda:x"], "--device"),
+    ("target", ["--channel-lags", "40"], "must be under half of --hidden"),
+    ("drafter", ["--batch", "0"], "--batch: must be > 0"),
+    ("drafter", ["--blocks", "400"], "do not fit"),
+    ("drafter", ["--heads", "3"], "--heads must be even"),
+    ("drafter", ["--copy-anchors", "2"], "--copy-anchors in [0, 1]"),
+    ("drafter", ["--refresh", "5000"], "must not exceed --pool"),
+    ("drafter", ["--mix", "1", "0", "0", "0.5"], "summing to 1"),
+])
+def test_training_scripts_reject_bad_options(script, args, words, capsys, tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{}")
+    base = ["--out", str(tmp_path / "o")] + ([] if script == "target" else ["--target", str(tmp_path / "t")])
+    parse = train_target.parse_args if script == "target" else train_drafter.parse_args
+    with pytest.raises(SystemExit) as info:
+        parse(base + args)
+    assert info.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_anchor_offset_positions_keep_sinks():

@@ -1,4 +1,4 @@
-"""The demo's target: a tiny byte-level causal LM that retrieves across any length.
+"""The demo's target: a tiny causal LM that retrieves across any length.
 
 ``FoldToyForCausalLM`` is a transformers model class (``model_type = "fold_toy"``), registered with
 ``AutoConfig`` / ``AutoModelForCausalLM`` when ``fold.demo`` is imported, so a directory written by
@@ -14,10 +14,19 @@ Layers (``config.layer_kinds``):
   query the bytes ending at the current one: content retrieval (an induction head) is one
   matching step. :meth:`GlobalAttention.induction_init` starts the layer as such a head.
 
+A context channel (``channel_lags = L > 0``, ``channel_width = w``): the last ``1 + (L + 1) w``
+dimensions of the residual stream are read by every layer and written by none. Each token's
+embedding holds, there, a constant 1 and a fixed ``w``-dimensional code of the token; the token
+shift copies the codes of the previous ``L`` tokens into ``L`` more slots. So every hidden state
+states its token and the ``L`` tokens before it in a form a linear map reads exactly, as the states
+of a deep target describe local context, and a drafter reading them can find "the entry preceded
+by these tokens" by content. Layers write only the first ``hidden - channel`` dimensions.
+
 The cache is a transformers ``DynamicCache``: layer ``i`` holds that layer's keys/values (local
-layers keep every entry and read the last ``sliding_window``), and one extra layer
-(``num_hidden_layers``) holds the global layer's normed input, the convolution's state. Cropping
-the cache crops that state too, so speculative verification works unchanged.
+layers keep every entry and read the last ``sliding_window``), one extra layer
+(``num_hidden_layers``) holds the global layer's normed input, the convolution's state, and
+another (``num_hidden_layers + 1``) the token codes the shift reads. Cropping the cache crops
+those states too, so speculative verification works unchanged.
 """
 
 from __future__ import annotations
@@ -40,8 +49,9 @@ class FoldToyConfig(PretrainedConfig):
     def __init__(self, vocab_size: int = 257, hidden_size: int = 256, intermediate_size: int = 768,
                  num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
                  head_dim: int = 64, layer_kinds: list[str] | None = None, sliding_window: int = 512,
-                 conv_taps: int = 8, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
-                 mask_token_id: int = 256, tie_word_embeddings: bool = False, **kwargs):
+                 conv_taps: int = 8, channel_lags: int = 0, channel_width: int = 0, global_log_scale_from: int = 0,
+                 rope_theta: float = 10000.0,
+                 rms_norm_eps: float = 1e-6, mask_token_id: int = 256, tie_word_embeddings: bool = False, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -55,10 +65,29 @@ class FoldToyConfig(PretrainedConfig):
                              f"got {self.layer_kinds}")
         self.sliding_window = sliding_window
         self.conv_taps = conv_taps
+        self.channel_lags = channel_lags
+        self.global_log_scale_from = global_log_scale_from
+        self.channel_width = channel_width if channel_lags else 0
+        if channel_lags < 0 or (channel_lags and channel_width < 1):
+            raise ValueError(f"channel_lags must be >= 0 and channel_width >= 1 with lags, got {channel_lags}, "
+                             f"{channel_width}")
+        if self.channel_dims >= hidden_size // 2:
+            raise ValueError(f"the context channel ({self.channel_dims} dims) must be under half of hidden_size "
+                             f"{hidden_size}")
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.mask_token_id = mask_token_id
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def channel_dims(self) -> int:
+        """Width of the context channel: a constant, the token's code and ``channel_lags`` earlier codes."""
+        return 1 + (self.channel_lags + 1) * self.channel_width if self.channel_lags else 0
+
+    @property
+    def write_dims(self) -> int:
+        """Residual dimensions the layers write (the rest is the context channel)."""
+        return self.hidden_size - self.channel_dims
 
 
 def _rotate_half(x):
@@ -84,7 +113,7 @@ class LocalAttention(nn.Module):
         self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
         self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.write_dims, bias=False)
         self.heads_q, self.heads_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.window, self.rope_theta = cfg.sliding_window, cfg.rope_theta
 
@@ -125,19 +154,24 @@ class GlobalAttention(nn.Module):
         self.q_conv = nn.Conv1d(h, cfg.num_attention_heads * d, taps, bias=False)
         self.k_conv = nn.Conv1d(h, cfg.num_key_value_heads * d, taps, bias=False)
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.write_dims, bias=False)
         self.heads_q, self.heads_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.taps = taps
+        self.log_scale_from = cfg.global_log_scale_from
         self.state_idx = cfg.num_hidden_layers             # the cache layer holding the convolution's input
 
     @torch.no_grad()
-    def induction_init(self, lags: int = 4, generator: torch.Generator | None = None) -> None:
-        """Start as an induction head: ``q_t . k_j`` is large when bytes ``t-i`` equal bytes ``j-1-i``.
+    def induction_init(self, lags: int = 4, generator: torch.Generator | None = None, copy_gain: float = 0.0) -> None:
+        """Start as an induction head: ``q_t . k_j`` is large when tokens ``t-i`` equal tokens ``j-1-i``.
 
         Query tap ``i`` and key tap ``i + 1`` (``i < lags``) share one random projection ``P_i`` per
         KV head (GQA: every query head of a group uses its KV head's ``P_i``); other taps start at 0.
-        A query then matches keys whose preceding bytes equal the bytes ending at the query, and the
-        value at that key is the byte that followed: copy the continuation.
+        A query then matches keys whose preceding tokens equal the tokens ending at the query, and the
+        value at that key is the token that followed: copy the continuation.
+
+        With ``copy_gain > 0`` the value/output path starts as a copy too: ``o_proj(v_proj(x))`` is
+        ``copy_gain`` times the projection of ``x`` on a random ``heads_kv * head_dim``-dimensional
+        subspace, so the layer adds (most of) the matched entry's own input to the residual.
         """
         h = self.q_conv.in_channels
         self.q_conv.weight.zero_()
@@ -147,6 +181,12 @@ class GlobalAttention(nn.Module):
             p = torch.randn(self.heads_kv, self.head_dim, h, generator=generator) / math.sqrt(h)
             self.k_conv.weight[:, :, self.taps - 2 - i] = p.flatten(0, 1)
             self.q_conv.weight[:, :, self.taps - 1 - i] = p.repeat_interleave(group, 0).flatten(0, 1)
+        if copy_gain > 0:
+            rows = self.heads_kv * self.head_dim
+            basis, _ = torch.linalg.qr(torch.randn(h, rows, generator=generator))      # [h, rows], orthonormal
+            self.v_proj.weight.copy_(basis.T)
+            per_head = basis.T.view(self.heads_kv, self.head_dim, h).repeat_interleave(group, 0)   # [Hq, d, h]
+            self.o_proj.weight.copy_(copy_gain / group * per_head.flatten(0, 1).T[:self.o_proj.out_features])
 
     def forward(self, x, cache, layer_idx: int):
         b, t, _ = x.shape
@@ -165,13 +205,48 @@ class GlobalAttention(nn.Module):
             k, v = cache.update(k, v, layer_idx)
         i = torch.arange(past, past + t, device=x.device)[:, None]
         j = torch.arange(k.shape[2], device=x.device)[None, :]
+        q = q * self.length_scale(i[:, 0] + 1).to(q.dtype)[:, None]
         return self.o_proj(_attend(q, k, v, None if past == 0 else j <= i, self.head_dim ** -0.5))
+
+    def length_scale(self, n_keys: torch.Tensor) -> torch.Tensor:
+        """``max(1, ln n / ln L)`` for a query reading ``n`` keys (``L = log_scale_from``; 1 when 0): the
+        logits sharpen with the log of the length beyond ``L``, so a match keeps its share of the
+        softmax among more entries (as Llama 4's NoPE layers scale their queries)."""
+        if not self.log_scale_from:
+            return torch.ones_like(n_keys, dtype=torch.float32)
+        return torch.clamp(torch.log(n_keys.float()) / math.log(self.log_scale_from), min=1.0)
 
     def weights(self, x_in_last, keys):
         """Head-mean softmax weights of one query over ``keys [1, Hkv, S, d]``; ``x_in_last [taps, H]``."""
         q = self.q_conv(x_in_last.T[None]).view(self.heads_q, 1, self.head_dim)               # [Hq, 1, d]
+        q = q * self.length_scale(torch.tensor([keys.shape[2]])).to(q.dtype)
         k = keys[0].repeat_interleave(self.heads_q // self.heads_kv, 0)                        # [Hq, S, d]
         return torch.softmax((q @ k.transpose(1, 2)).float() * self.head_dim ** -0.5, -1)[:, 0].mean(0)
+
+
+class TokenShift(nn.Module):
+    """Copies the codes of the previous ``L`` tokens into the context channel's lag slots."""
+
+    def __init__(self, cfg: FoldToyConfig):
+        super().__init__()
+        self.lags, self.width = cfg.channel_lags, cfg.channel_width
+        self.code = slice(cfg.write_dims + 1, cfg.write_dims + 1 + self.width)      # the token's own code
+        self.state_idx = cfg.num_hidden_layers + 1          # the cache layer holding the codes so far
+
+    def forward(self, e, cache):
+        t = e.shape[1]
+        codes = e[..., self.code]                                              # [B, T, w]
+        if cache is not None:
+            seen, _ = cache.update(codes[:, None], codes[:, None, :, :1], self.state_idx)
+            seen = seen[:, 0]                                                  # [B, past + T, w]
+        else:
+            seen = codes
+        n = seen.shape[1] - t
+        padded = F.pad(seen, (0, 0, self.lags, 0))                             # lags zeros before the first entry
+        slots = [padded[:, self.lags + n - lag:self.lags + n - lag + t] for lag in range(1, self.lags + 1)]
+        out = e.clone()
+        out[..., self.code.stop:self.code.stop + self.lags * self.width] = torch.cat(slots, -1)
+        return out
 
 
 class FoldToyLayer(nn.Module):
@@ -179,18 +254,25 @@ class FoldToyLayer(nn.Module):
         super().__init__()
         self.self_attn = LocalAttention(cfg) if kind == "local" else GlobalAttention(cfg)
         self.mlp = MLP(cfg)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, cfg.write_dims, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.channel = cfg.channel_dims
+
+    def _write(self, h, out):
+        # the layers write the first write_dims dimensions; the context channel passes through
+        return h + (F.pad(out, (0, self.channel)) if self.channel else out)
 
     def forward(self, h, cache, layer_idx: int):
-        h = h + self.self_attn(self.input_layernorm(h), cache, layer_idx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self._write(h, self.self_attn(self.input_layernorm(h), cache, layer_idx))
+        return self._write(h, self.mlp(self.post_attention_layernorm(h)))
 
 
 class FoldToyModel(nn.Module):
     def __init__(self, cfg: FoldToyConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.token_shift = TokenShift(cfg) if cfg.channel_lags else None
         self.layers = nn.ModuleList(FoldToyLayer(cfg, kind) for kind in cfg.layer_kinds)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -226,6 +308,19 @@ class FoldToyForCausalLM(PreTrainedModel):
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
 
+    @torch.no_grad()
+    def init_context_channel(self, generator: torch.Generator | None = None) -> None:
+        """Put the context channel into the embedding table: a constant 1, a random code per token
+        (unit variance) and zero lag slots (the token shift fills them)."""
+        cfg = self.config
+        if not cfg.channel_dims:
+            return
+        w, start = cfg.channel_width, cfg.write_dims
+        table = self.model.embed_tokens.weight
+        table[:, start:] = 0.0
+        table[:, start] = 1.0
+        table[:, start + 1:start + 1 + w] = torch.randn(table.shape[0], w, generator=generator).to(table.dtype)
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -243,6 +338,8 @@ class FoldToyForCausalLM(PreTrainedModel):
         if cache is None and use_cache:
             cache = DynamicCache()
         h = self.model.embed_tokens(input_ids)
+        if self.model.token_shift is not None:
+            h = self.model.token_shift(h, cache)
         hidden = [h] if output_hidden_states else None
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cache, i)
