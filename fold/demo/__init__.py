@@ -1,12 +1,14 @@
-"""The embedded demo: a tiny byte-level target and its drafters, trained on this kind of machine.
+"""The embedded demo: a tiny target with a BPE tokenizer and its drafters, trained on this kind of machine.
 
-``TARGET_DIR`` is a transformers directory (``model_type = "fold_toy"``, registered on import);
-``DRAFTER_DIR`` and ``ANCHOR_DRAFTER_DIR`` are z-lab DFlash directories for it (the second trained
-with LongSpec's anchor-offset position indices). Load them the way real checkpoints load::
+``TARGET_DIR`` is a transformers directory (``model_type = "fold_toy"``, registered on import) with
+its ``tokenizer.json``; ``DRAFTER_DIR`` and ``ANCHOR_DRAFTER_DIR`` are z-lab DFlash directories for
+it (the second trained with LongSpec's anchor-offset position indices). Load them the way real
+checkpoints load::
 
     import fold.demo, transformers
     from fold import spec
     target = transformers.AutoModelForCausalLM.from_pretrained(fold.demo.TARGET_DIR).float().eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fold.demo.TARGET_DIR)
     drafter = spec.load_drafter(fold.demo.DRAFTER_DIR, target)
 """
 
@@ -18,9 +20,8 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 TARGET_DIR = ARTIFACTS / "target"
 DRAFTER_DIR = ARTIFACTS / "drafter"
 ANCHOR_DRAFTER_DIR = ARTIFACTS / "drafter_anchor"
-MASK_TOKEN_ID = 256
 
 register()
 
-__all__ = ["ARTIFACTS", "TARGET_DIR", "DRAFTER_DIR", "ANCHOR_DRAFTER_DIR", "MASK_TOKEN_ID", "FoldToyConfig",
-           "FoldToyForCausalLM", "register"]
+__all__ = ["ARTIFACTS", "TARGET_DIR", "DRAFTER_DIR", "ANCHOR_DRAFTER_DIR", "FoldToyConfig", "FoldToyForCausalLM",
+           "register"]
