@@ -22,81 +22,130 @@ pytestmark = pytest.mark.skipif(not (fold.demo.DRAFTER_DIR / "model.safetensors"
 
 @pytest.fixture(scope="module")
 def pair():
-    target = transformers.AutoModelForCausalLM.from_pretrained(fold.demo.TARGET_DIR, dtype=torch.float32).eval()
-    return target, spec.load_drafter(fold.demo.DRAFTER_DIR, target), spec.load_drafter(fold.demo.ANCHOR_DRAFTER_DIR,
-                                                                                         target)
+    return cli.load_pair()
 
 
-def test_shipped_artifacts_are_small_and_in_real_formats():
+@pytest.fixture(scope="module")
+def held_ids(pair):
+    return {name: data.encode(pair[3], text) for name, text in data.held_out_code().items()}
+
+
+def test_shipped_artifacts_are_small_and_in_real_formats(pair):
     total = sum(f.stat().st_size for f in fold.demo.ARTIFACTS.rglob("*") if f.is_file())
     assert total <= 25 * 2**20, f"shipped artifacts take {total / 2**20:.1f} MiB"
+    target_config = json.loads((fold.demo.TARGET_DIR / "config.json").read_text())
+    assert target_config["model_type"] == "fold_toy"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fold.demo.TARGET_DIR)
+    assert len(tokenizer) == target_config["vocab_size"] and tokenizer.mask_token_id == target_config["mask_token_id"]
     for d in (fold.demo.DRAFTER_DIR, fold.demo.ANCHOR_DRAFTER_DIR):
         config = json.loads((d / "config.json").read_text())
-        assert config["architectures"] == ["DFlashDraftModel"] and "dflash_config" in config
-    assert json.loads((fold.demo.TARGET_DIR / "config.json").read_text())["model_type"] \
-        == "fold_toy"
+        assert config["architectures"] == ["DFlashDraftModel"]
+        assert config["dflash_config"]["mask_token_id"] == tokenizer.mask_token_id
+        assert json.loads((d / "train_log.json").read_text())["device"] in ("cpu", "cuda")
 
 
 @pytest.mark.parametrize("policy", BUILT)
-def test_shipped_pair_is_lossless_on_every_policy(pair, policy):
-    target, drafter, _ = pair
+def test_shipped_pair_is_lossless_on_every_policy(pair, held_ids, policy):
+    target, drafter, _, tokenizer = pair
     rng = random.Random(7)
-    held = data.held_out_code()
-    prompts = [torch.tensor(list(data.code_prompt(held, rng, 700))),
-               torch.tensor(list(data.retrieval_prompt(rng, 900, 400)))]
+    prompts = [torch.tensor(data.code_prompt(held_ids, rng, 300)),
+               torch.tensor(data.retrieval_prompt(rng, tokenizer, 400, 200)[0])]
     ids, mask = padded_batch(prompts)
-    opts = cli.policy_options(policy, window=64, alpha=2.0, train_len=256)     # long-context paths at ~800 bytes
-    out = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, policy=policy, **opts)
+    opts = cli.policy_options(policy, window=32, alpha=2.0, train_len=64)     # long-context paths at ~350 tokens
+    out = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy=policy, **opts)
     for b, p in enumerate(prompts):
-        expected = greedy_ar(target, p, 20)
+        expected = greedy_ar(target, p, 12)
         assert torch.equal(out.sequences[b, :len(expected)], expected), f"row {b} differs from the target's greedy"
 
 
 def test_anchor_offset_drafter_is_lossless(pair):
-    target, _, anchor = pair
-    prompt = torch.tensor(list(data.retrieval_prompt(random.Random(1), 1200, 600)))
-    out = spec.generate(target, anchor, prompt[None], max_new_tokens=24, policy="dflash")
-    assert torch.equal(out.sequences[0], greedy_ar(target, prompt, 24))
+    target, _, anchor, tokenizer = pair
+    prompt = torch.tensor(data.retrieval_prompt(random.Random(1), tokenizer, 500, 250)[0])
+    out = spec.generate(target, anchor, prompt[None], max_new_tokens=16, policy="dflash")
+    assert torch.equal(out.sequences[0], greedy_ar(target, prompt, 16))
 
 
-def test_shipped_drafter_drafts_better_than_chance(pair):
-    target, drafter, _ = pair
-    prompt = torch.tensor(list(data.code_prompt(data.held_out_code(), random.Random(2), 600)))
-    out = spec.generate(target, drafter, prompt[None], max_new_tokens=48, policy="dflash")
-    assert out.tau > 1.5          # a drafter that never agrees with the target gives exactly 1
+def test_shipped_drafter_copies_from_far_back_only_through_the_far_memory(pair):
+    """A value stored 700+ tokens back: FOLD's far memory reaches it, FOLD's window alone does not."""
+    target, drafter, _, tokenizer = pair
+    prompt, answer = data.retrieval_prompt(random.Random(5), tokenizer, 1024, 700)
+    ids = torch.tensor([prompt])
+    taus = {policy: spec.generate(target, drafter, ids, max_new_tokens=len(answer), policy=policy, window=128).tau
+            for policy in ("window", "fold")}
+    assert taus["fold"] >= taus["window"] + 1.0, taus
 
 
 def test_tree_verification_is_refused_for_the_toy_target(pair):
-    target, drafter, _ = pair
+    target, drafter, _, tokenizer = pair
     with pytest.raises(ValueError, match="AttentionInterface"):
-        spec.generate(target, drafter, torch.tensor([list(b"def f(x):\n")]), max_new_tokens=4, tree=(2, 2))
+        spec.generate(target, drafter, torch.tensor([data.encode(tokenizer, "def f(x):\n")]), max_new_tokens=4,
+                      tree=(2, 2))
 
 
 def test_reduced_demo_runs_and_reports(tmp_path, capsys):
-    code = cli.main(["--lengths", "1024", "--rows", "dflash", "fold", "--prompts", "2", "--new-tokens", "12",
-                     "--window", "128", "--out", str(tmp_path), "--no-progress", "--shift"])
+    code = cli.main(["--lengths", "512", "--rows", "dflash", "window", "fold", "--prompts", "2", "--new-tokens", "8",
+                     "--repeats", "2", "--window", "64", "--out", str(tmp_path), "--no-progress", "--shift"])
     assert code == 0
     records = json.loads((tmp_path / "results.json").read_text())
-    keys = {"task", "length", "policy", "tau", "tau_ci", "speedup", "speedup_ci", "lossless"}
-    assert all(keys <= set(r) for r in records)
-    assert {(r["task"], r["policy"]) for r in records if r["task"] != "shift"} == {
-        (t, p) for t in ("code", "retrieval") for p in ("AR", "dflash", "fold")}
+    keys = {"task", "length", "policy", "tau", "tau_ci", "speedup", "speedup_ci", "lossless", "taus",
+            "tpot_ms_per_prompt", "repeats"}
+    cells = [r for r in records if r["task"] != "shift"]
+    assert all(keys <= set(r) for r in cells) and all(r["repeats"] == 2 for r in cells)
+    assert {(r["task"], r["policy"]) for r in cells} == {
+        (t, p) for t in ("code", "retrieval") for p in ("AR", "dflash", "window", "fold")}
+    for r in cells:        # the paired difference to Window is the mean of the per-prompt differences
+        if r["policy"] in ("dflash", "fold"):
+            window = next(w for w in cells if w["task"] == r["task"] and w["policy"] == "window")
+            diffs = [a - b for a, b in zip(r["taus"], window["taus"])]
+            assert r["tau_minus_window"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-3)
     shifted = [r for r in records if r["task"] == "shift"]
-    assert {(r["policy"], r["shift"]) for r in shifted} == {(p, s) for p in ("dflash", cli.ANCHOR_ROW)
-                                                            for s in cli.SHIFTS}
+    train_len = cli.training_length()
+    assert {(r["policy"], r["shift"]) for r in shifted} == {(p, f * train_len) for p in ("dflash", cli.ANCHOR_ROW)
+                                                            for f in cli.SHIFT_FACTORS}
     assert all(r["lossless"] for r in records)
     assert all(r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] for r in records)
     assert (tmp_path / "tau_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert f"lossless: {4 + len(shifted)}/{4 + len(shifted)} runs" in printed and "retrieval" in printed
+    n = 6 + len(shifted)
+    assert f"lossless: {n}/{n} rows" in printed and "tau - Window (paired)" in printed
+
+
+class _FakeResult:
+    def __init__(self, sequences, tpot, tau=2.0):
+        self.sequences, self.tau = sequences, tau
+        self.stats = dict(per_sequence=[dict(tpot_s=tpot, committed_per_round=[2, 2], rounds=2)])
+
+
+def test_rows_run_interleaved_and_tpot_is_the_median_of_repeats():
+    """Per prompt the rows run AR, A, B, AR, A, B, ... (so drifting machine load hits every row alike);
+    a prompt's TPOT is the median of its repeats; a row whose output differs from AR's is marked."""
+    calls = []
+    tpots = {"AR": iter([4.0, 9.0, 5.0, 4.0, 4.0, 4.0]), "a": iter([1.0, 2.0, 30.0, 2.0, 2.0, 2.0]),
+             "b": iter([2.0] * 6)}
+
+    def runner(name, differs=False):
+        def run(prompt, n_new):
+            calls.append((name, int(prompt[0, 0])))
+            seq = prompt.clone() if not differs else prompt + 1
+            return _FakeResult(seq, next(tpots[name]))
+        return run
+
+    rows = [cli.Row("AR", runner("AR")), cli.Row("a", runner("a")), cli.Row("b", runner("b", differs=True))]
+    cli.measure_cell(None, rows, torch.tensor([[10], [20]]), 4, repeats=3)
+    assert calls == [(n, p) for p in (10, 20) for _ in range(3) for n in ("AR", "a", "b")]
+    records = {r["policy"]: r for r in cli._cell_records("code", 1, rows)}
+    assert records["a"]["tpot_ms_per_prompt"] == [2000.0, 2000.0]            # medians of (1, 2, 30) and (2, 2, 2)
+    assert records["AR"]["tpot_ms_per_prompt"] == [5000.0, 4000.0]
+    assert records["a"]["speedup"] == pytest.approx((5 / 2 + 4 / 2) / 2, abs=1e-3)
+    assert records["a"]["lossless"] and not records["b"]["lossless"]
 
 
 def test_shift_read_at_zero_equals_the_plain_read(pair):
-    _, drafter, _ = pair
-    rope = drafter.cfg.rope
+    _, drafter, _, _ = pair
+    rope, cfg = drafter.cfg.rope, drafter.cfg
     torch.manual_seed(0)
-    q = torch.randn(1, 8, 4, 64)
-    k, v = torch.randn(1, 40, 2, 64), torch.randn(1, 40, 2, 64)
+    q = torch.randn(1, 8, cfg.heads_q, cfg.head_dim)
+    k, v = torch.randn(1, 40, cfg.heads_kv, cfg.head_dim), torch.randn(1, 40, cfg.heads_kv, cfg.head_dim)
     truth, _ = rope_attention_ref(q, k, v, rope=rope)
     same_dtype, _ = rope_attention_ref(q, k, v, rope=rope, upcast=False)
     check_close("shift 0 vs plain read", cli.shifted_read(rope, 0)(q, k, v, 0), truth, same_dtype, torch.float32)
@@ -107,20 +156,22 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
 @pytest.mark.parametrize("args, words", [
     (["--prompts", "0"], "--prompts: must be >= 1, got 0"),
     (["--new-tokens", "0"], "--new-tokens: must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
     (["--lengths", "1024", "0"], "--lengths: must be >= 256, got 0"),
     (["--window", "-1"], "--window: must be >= 8"),
     (["--alpha", "0.5"], "--alpha: must lie in [1, 10000], got 0.5"),
     (["--alpha", "x"], "--alpha: expected a number"),
+    (["--artifacts", "/nonexistent/pair"], "must hold target/, drafter/, drafter_anchor/"),
 ])
 def test_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "load_pair", lambda: pytest.fail("the pair must not load for bad options"))
+    monkeypatch.setattr(cli, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
     with pytest.raises(SystemExit) as info:
         cli.main(args + ["--out", str(tmp_path / "o"), "--no-progress"])
     assert info.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_demo_checks_out_before_any_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_pair", lambda: pytest.fail("the pair must not load for a bad --out"))
+    monkeypatch.setattr(cli, "load_pair", lambda *a: pytest.fail("the pair must not load for a bad --out"))
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(SystemExit) as info:
@@ -132,13 +183,15 @@ def test_results_are_written_table_first_and_atomically(tmp_path, monkeypatch):
     """results.json appears only after table.txt (and the plot) of the same records; a failing write
     leaves neither a partial file nor a stale temporary behind."""
     records = [dict(task="code", length=1024, policy=p, tau=t, tau_ci=[t - 0.1, t + 0.1], speedup=1.0,
-                    speedup_ci=[0.9, 1.1], lossless=True) for p, t in (("AR", 1.0), ("fold", 2.0))]
+                    speedup_ci=[0.9, 1.1], lossless=True) for p, t in (("AR", 1.0), ("window", 1.5), ("fold", 2.0))]
+    records[2].update(tau_minus_window=0.5, tau_minus_window_ci=[0.2, 0.8])
     order = []
     real_replace = cli.os.replace
     monkeypatch.setattr(cli.os, "replace", lambda a, b: (order.append(Path(b).name), real_replace(a, b)))
     cli.save_results(records, tmp_path)
     assert order == ["tau_vs_length.png", "table.txt", "results.json"]
     assert json.loads((tmp_path / "results.json").read_text()) == records
+    assert "+0.50 [+0.20, +0.80]" in (tmp_path / "table.txt").read_text()
 
     def broken(path):
         path.write_text("half")

@@ -1,18 +1,24 @@
 """``fold-demo``: the paper's long-context comparison on the shipped tiny pair, on CPU, in minutes.
 
-    fold-demo --quick                 # < 5 min on 2 cores: 2 lengths, dflash / window / fold / anchor-offset
-    fold-demo                         # < 30 min: every policy, lengths 1K-16K, both tasks
-    fold-demo --shift                 # Finding 1: the same drafter with its block moved far from its context
+    fold-demo --quick                 # < 2 min on 2 cores: 2 lengths, dflash / window / fold / anchor-offset
+    fold-demo                         # < 10 min: every policy, 2K-16K tokens, both tasks
+    fold-demo --shift                 # adds Finding 1: the drafter with its block moved far from its context
 
-Tasks: ``code`` (held-out standard-library packages, concatenated repository-style) and
-``retrieval`` (key-value documents ending with a key stored at least half the prompt earlier; the
-target generates the 18-byte value, so tau there measures copying from far back).
-For each task and length the target alone (AR) runs first, then every row: the DFlash drafter under
-each context policy and the drafter trained with LongSpec's anchor-offset indices (read at true
-positions). Every run is greedy and checked token for token against AR's output.
+Tasks (lengths in tokens of the shipped BPE tokenizer): ``code`` (held-out standard-library
+packages, concatenated repository-style) and ``retrieval`` (key-value documents ending with a key
+stored at least half the prompt earlier; the target generates the stored value, so tau there
+measures copying from far back). For each task and length, AR (the target alone) and every row run
+on the same prompts: the DFlash drafter under each context policy, and the drafter trained with
+LongSpec's anchor-offset indices (read at true positions). Every run is greedy and checked token for
+token against AR's output; any difference makes the command exit with status 1.
 
-Prints a table of tau and CPU speedup (TPOT_AR / TPOT, both measured in this run) with 95%
-bootstrap CIs over prompts; writes ``results.json``, ``table.txt`` and ``tau_vs_length.png`` into ``--out``.
+Timing: one warm-up run per row first; then for each prompt the rows run in turn (AR, row 1,
+row 2, ..., AR, row 1, ...) ``--repeats`` times, so every row sees the same machine load. A
+prompt's TPOT is the median over its repeats; speedup = TPOT_AR / TPOT per prompt, averaged over
+prompts. tau is deterministic (greedy) and needs no repeats. Every mean comes with a 95% bootstrap
+CI over prompts, and each row's tau also as a paired difference to Window on the same prompts.
+
+Prints the tables; writes ``results.json``, ``table.txt`` and ``tau_vs_length.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import copy
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -31,13 +38,14 @@ import torch
 
 POLICIES = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
 ANCHOR_ROW = "anchor-offset"
+TASKS = ("code", "retrieval")
 PRESETS = {
-    "quick": dict(lengths=[2048, 8192], prompts=4, new_tokens=48, rows=("dflash", "window", "fold", ANCHOR_ROW)),
-    "default": dict(lengths=[1024, 2048, 4096, 8192, 16384], prompts=8, new_tokens=64,
+    "quick": dict(lengths=[2048, 8192], prompts=3, new_tokens=24, repeats=2,
+                  rows=("dflash", "window", "fold", ANCHOR_ROW)),
+    "default": dict(lengths=[2048, 4096, 8192, 16384], prompts=5, new_tokens=32, repeats=3,
                     rows=POLICIES + (ANCHOR_ROW,)),
 }
-SHIFTS = (0, 1024, 4096, 8192, 32768)
-ANSWER_TOKENS = 18          # a retrieval answer: " " + two 8-hex words joined by a space
+SHIFT_FACTORS = (0, 1, 4, 16, 64)     # the block moved by these multiples of the drafter's training length
 
 
 class PrefillMemo:
@@ -66,23 +74,33 @@ class PrefillMemo:
     __call__ = forward
 
 
-def load_pair(dtype=torch.float32):
-    """The shipped target and both drafters, through transformers and ``spec.load_drafter``."""
+PAIR_DIRS = ("target", "drafter", "drafter_anchor")
+
+
+def default_artifacts() -> Path:
+    import fold.demo
+
+    return fold.demo.ARTIFACTS
+
+
+def load_pair(artifacts: Path | None = None, dtype=torch.float32):
+    """The target, both drafters and the tokenizer under ``artifacts`` (default: the shipped pair),
+    through transformers and ``spec.load_drafter``."""
     import transformers
 
-    import fold.demo
+    import fold.demo  # noqa: F401  (registers fold_toy)
     from fold import spec
 
-    target = transformers.AutoModelForCausalLM.from_pretrained(fold.demo.TARGET_DIR, dtype=dtype).eval()
-    return target, spec.load_drafter(fold.demo.DRAFTER_DIR, target), spec.load_drafter(fold.demo.ANCHOR_DRAFTER_DIR,
-                                                                                        target)
+    root = artifacts or default_artifacts()
+    target = transformers.AutoModelForCausalLM.from_pretrained(root / "target", dtype=dtype).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(root / "target")
+    return (target, spec.load_drafter(root / "drafter", target), spec.load_drafter(root / "drafter_anchor", target),
+            tokenizer)
 
 
-def training_length(default: int = 1024) -> int:
-    """The sequence length the shipped drafter was trained on (its config's ``fold_training``)."""
-    import fold.demo
-
-    config = json.loads((fold.demo.DRAFTER_DIR / "config.json").read_text())
+def training_length(artifacts: Path | None = None, default: int = 256) -> int:
+    """The sequence length the drafter was trained on (its config's ``fold_training``)."""
+    config = json.loads(((artifacts or default_artifacts()) / "drafter" / "config.json").read_text())
     return int(config.get("fold_training", {}).get("seq_len", default))
 
 
@@ -102,15 +120,19 @@ def policy_options(policy: str, window: int, alpha: float, train_len: int) -> di
     }[policy]
 
 
-def prompts_for(task: str, length: int, count: int, seed: int, held) -> list[bytes]:
+def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokenizer, new_tokens: int):
+    """``(ids [count, L], tokens to generate)``: ``length``-token code windows of the held-out packages
+    (``held_ids``: {package: token ids}), or retrieval prompts cut to one width, generating the longest
+    stored value."""
     from fold.demo import data
 
     rng = random.Random(f"{task}-{length}-{seed}")
     if task == "code":
-        return [data.code_prompt(held, rng, length) for _ in range(count)]
-    out = [data.retrieval_prompt(rng, length, length // 2) for _ in range(count)]
-    width = min(map(len, out))
-    return [p[len(p) - width:] for p in out]             # equal lengths: one unpadded batch
+        newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]        # byte-level "\n..."
+        return torch.tensor([data.code_prompt(held_ids, rng, length, newlines) for _ in range(count)]), new_tokens
+    pairs = [data.retrieval_prompt(rng, tokenizer, length, length // 2) for _ in range(count)]
+    width = min(len(p) for p, _ in pairs)
+    return torch.tensor([p[len(p) - width:] for p, _ in pairs]), max(len(a) for _, a in pairs)
 
 
 def shifted_read(rope, shift: int):
@@ -133,105 +155,205 @@ def shifted_read(rope, shift: int):
     return read
 
 
-def _mean_tpot(result) -> float:
-    per_sequence = result.stats["per_sequence"]
-    return sum(s["tpot_s"] for s in per_sequence) / len(per_sequence)
-
-
-def _ci_record(task, length, name, taus, speedups, lossless, tpot, extra=None):
+def _ci(values) -> tuple[float, list[float]]:
     from fold.spec.metrics import bootstrap_ci
 
-    tau, tau_lo, tau_hi = bootstrap_ci([taus])
-    sp, sp_lo, sp_hi = bootstrap_ci([speedups])
-    return dict(task=task, length=length, policy=name, tau=round(tau, 4),
-                tau_ci=[round(tau_lo, 4), round(tau_hi, 4)], speedup=round(sp, 4),
-                speedup_ci=[round(sp_lo, 4), round(sp_hi, 4)], lossless=lossless, n_prompts=len(taus),
-                tpot_ms=round(tpot * 1e3, 3), **(extra or {}))
+    mean, lo, hi = bootstrap_ci([list(values)])
+    return round(mean, 4), [round(lo, 4), round(hi, 4)]
 
 
-def run_comparison(target, drafter, anchor, *, held, tasks, lengths, rows, prompts, new_tokens, window, alpha,
-                   seed, bar=None, log=print) -> list[dict]:
-    """``held``: {package: code} from :func:`fold.demo.data.held_out_code`."""
-    from fold import spec
-    from fold.spec.metrics import per_sequence_speedup, per_sequence_tau
+class Row:
+    """One row of a cell: how to run it on one prompt, and what its runs gave."""
 
-    train_len = training_length()
-    records = []
-    target = PrefillMemo(target)
-    for task in tasks:
-        for length in lengths:
-            target.memo.clear()
-            ids = torch.tensor([list(p) for p in prompts_for(task, length, prompts, seed, held)])
-            n_new = ANSWER_TOKENS if task == "retrieval" else new_tokens
-            ar = spec.autoregressive(target, ids, max_new_tokens=n_new)
-            records.append(_ci_record(task, ids.shape[1], "AR", [1.0] * len(ids), [1.0] * len(ids), True,
-                                      _mean_tpot(ar)))
-            for name in rows:
-                model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, name)
-                opts = {} if name == ANCHOR_ROW else policy_options(policy, window, alpha, train_len)
-                res = spec.generate(target, model, ids, max_new_tokens=n_new, policy=policy, **opts)
-                lossless = torch.equal(res.sequences, ar.sequences)
-                rec = _ci_record(task, ids.shape[1], name, per_sequence_tau(res), per_sequence_speedup(res, ar),
-                                 lossless, _mean_tpot(res))
-                records.append(rec)
+    def __init__(self, name: str, run):
+        self.name, self.run = name, run
+        self.taus: list[float] = []
+        self.tpots: list[list[float]] = []           # per prompt, one TPOT per repeat
+        self.lossless = True
+
+
+def _tpot(result) -> float:
+    return result.stats["per_sequence"][0]["tpot_s"]
+
+
+def _tau(result) -> float:
+    from fold.spec.metrics import per_sequence_tau
+
+    return per_sequence_tau(result)[0]
+
+
+def measure_cell(target, rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, bar=None) -> None:
+    """Run AR and every row on each prompt of ``ids``, interleaved (AR, row 1, ..., AR, row 1, ...)
+    ``repeats`` times per prompt; fills each row's taus, TPOTs and lossless flag."""
+    for p in range(ids.shape[0]):
+        prompt = ids[p:p + 1]
+        reference = None
+        for row in rows:
+            row.tpots.append([])
+        for rep in range(repeats):
+            for row in rows:
+                res = row.run(prompt, n_new)
+                if row.name == "AR":
+                    reference = res.sequences if reference is None else reference
+                elif not torch.equal(res.sequences, reference):
+                    row.lossless = False
+                if rep == 0:
+                    row.taus.append(_tau(res) if row.name != "AR" else 1.0)
+                row.tpots[-1].append(_tpot(res))
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix_str(f"{task} {length} {name} tau {rec['tau']:.2f}")
-                if not lossless:
-                    log(f"NOT LOSSLESS: {task} {length} {name} differs from AR")
+
+
+def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
+    ar = next(r for r in rows if r.name == "AR")
+    ar_tpot = [statistics.median(t) for t in ar.tpots]
+    window = next((r for r in rows if r.name == "window"), None)
+    records = []
+    for row in rows:
+        tpot = [statistics.median(t) for t in row.tpots]
+        tau, tau_ci = _ci(row.taus)
+        speedup, speedup_ci = _ci([a / b for a, b in zip(ar_tpot, tpot)])
+        rec = dict(task=task, length=length, policy=row.name, tau=tau, tau_ci=tau_ci, speedup=speedup,
+                   speedup_ci=speedup_ci, lossless=row.lossless, n_prompts=len(row.taus),
+                   repeats=len(row.tpots[0]), tpot_ms=round(statistics.mean(tpot) * 1e3, 3),
+                   taus=[round(t, 4) for t in row.taus], tpot_ms_per_prompt=[round(t * 1e3, 3) for t in tpot])
+        if window is not None and row.name not in ("AR", "window"):
+            rec["tau_minus_window"], rec["tau_minus_window_ci"] = _ci(
+                [a - b for a, b in zip(row.taus, window.taus)])
+        records.append(rec)
     return records
 
 
-def run_shift(target, drafter, anchor, *, held, prompts, new_tokens, seed, length=512, shifts=SHIFTS, bar=None):
-    """Finding 1: tau of each drafter at ``length`` bytes with its block moved ``shift`` positions."""
+def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int) -> list[Row]:
     from fold import spec
-    from fold.spec.metrics import per_sequence_speedup, per_sequence_tau
 
-    target = PrefillMemo(target)
-    ids = torch.tensor([list(p) for p in prompts_for("code", length, prompts, seed, held)])
-    ar = spec.autoregressive(target, ids, max_new_tokens=new_tokens)
+    def ar(prompt, n_new):
+        return spec.autoregressive(target, prompt, max_new_tokens=n_new)
+
+    rows = [Row("AR", ar)]
+    for name in names:
+        model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, name)
+        opts = {} if name == ANCHOR_ROW else policy_options(policy, window, alpha, train_len)
+
+        def run(prompt, n_new, model=model, policy=policy, opts=opts):
+            return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy, **opts)
+        rows.append(Row(name, run))
+    return rows
+
+
+def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
+    """One short untimed run per row (first-call allocations and lazy initialisation)."""
+    for row in rows:
+        row.run(ids[:1, -256:], 4)
+
+
+def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
+                   repeats, window, alpha, seed, train_len, bar=None, log=print) -> list[dict]:
+    """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`."""
+    memo = PrefillMemo(target)
+    records = []
+    warmed = False
+    for task in tasks:
+        for length in lengths:
+            memo.memo.clear()
+            ids, n_new = prompts_for(task, length, prompts, seed, held_ids, tokenizer, new_tokens)
+            cell = make_rows(memo, drafter, anchor, rows, window, alpha, train_len)
+            if not warmed:
+                warm_up(cell, ids)
+                warmed = True
+            measure_cell(memo, cell, ids, n_new, repeats, bar)
+            recs = _cell_records(task, ids.shape[1], cell)
+            records += recs
+            for rec in recs:
+                if not rec["lossless"]:
+                    log(f"NOT LOSSLESS: {task} {length} {rec['policy']} differs from AR")
+            if bar is not None:
+                fold_rec = next((r for r in recs if r["policy"] == "fold"), recs[-1])
+                bar.set_postfix_str(f"{task} {length}: {fold_rec['policy']} tau {fold_rec['tau']:.2f}")
+    return records
+
+
+def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_tokens, seed, train_len,
+              factors=SHIFT_FACTORS, bar=None):
+    """Finding 1: tau of each drafter on code prompts of half its training length, with its block
+    moved ``factor * train_len`` positions away from every context entry."""
+    from fold import spec
+    from fold.spec.metrics import per_sequence_tau
+
+    memo = PrefillMemo(target)
+    length = max(16, train_len // 2)
+    ids, n_new = prompts_for("code", length, prompts, seed, held_ids, tokenizer, min(new_tokens, train_len // 2))
+    ar = spec.autoregressive(memo, ids, max_new_tokens=n_new)
     records = []
     for label, model in (("dflash", drafter), (ANCHOR_ROW, anchor)):
-        for shift in shifts:
+        base = None
+        for factor in factors:
+            shift = factor * train_len
             if shift == 0:
-                res = spec.generate(target, model, ids, max_new_tokens=new_tokens, policy="dflash")
+                res = spec.generate(memo, model, ids, max_new_tokens=n_new, policy="dflash")
             else:                                       # the same loop with a custom read (spec.Read protocol)
-                res = spec.generate(target, model, ids, max_new_tokens=new_tokens,
+                res = spec.generate(memo, model, ids, max_new_tokens=n_new,
                                     policy=lambda request, s=shift: spec.Read(shifted_read(request["rope"], s),
                                                                               rope=request["rope"]))
-            records.append(_ci_record("shift", ids.shape[1], label, per_sequence_tau(res),
-                                      per_sequence_speedup(res, ar), torch.equal(res.sequences, ar.sequences),
-                                      _mean_tpot(res), dict(shift=shift)))
+            taus = per_sequence_tau(res)
+            tau, tau_ci = _ci(taus)
+            base = tau if base is None else base
+            records.append(dict(task="shift", length=ids.shape[1], policy=label, shift=shift, train_len=train_len,
+                                tau=tau, tau_ci=tau_ci, tau_over_unshifted=round(tau / base, 4),
+                                lossless=torch.equal(res.sequences, ar.sequences), n_prompts=len(taus),
+                                taus=[round(t, 4) for t in taus]))
             if bar is not None:
                 bar.update(1)
     return records
+
+
+def _fmt(value, ci, width=5, prec=2, suffix=""):
+    return f"{value:{width}.{prec}f}{suffix} [{ci[0]:.{prec}f}, {ci[1]:.{prec}f}]"
 
 
 def format_table(records: list[dict]) -> str:
     lines = []
     for task in dict.fromkeys(r["task"] for r in records):
         rs = [r for r in records if r["task"] == task]
-        key = "shift" if task == "shift" else "length"
-        cols = list(dict.fromkeys(r[key] for r in rs))
+        if task == "shift":
+            cols = list(dict.fromkeys(r["shift"] for r in rs))
+            lines.append(f"\nFinding 1 (code, {rs[0]['length']} tokens; drafter trained on {rs[0]['train_len']}): "
+                         "tau [95% CI] (share of tau at shift 0), block moved by shift positions")
+            lines.append(f"{'row':<14}" + "".join(f"{c:>28}" for c in cols))
+            for name in dict.fromkeys(r["policy"] for r in rs):
+                cells = []
+                for c in cols:
+                    r = next(r for r in rs if r["policy"] == name and r["shift"] == c)
+                    cell = _fmt(r["tau"], r["tau_ci"]) + f" ({r['tau_over_unshifted']:.0%})" + ("" if r["lossless"] else "!")
+                    cells.append(cell.rjust(28))
+                lines.append(f"{name:<14}" + "".join(cells))
+            continue
+        cols = list(dict.fromkeys(r["length"] for r in rs))
         names = list(dict.fromkeys(r["policy"] for r in rs))
-        lines.append(f"\n{task}: tau [95% CI] / speedup over AR [95% CI], by {key}")
-        lines.append(f"{'row':<14}" + "".join(f"{c:>32}" for c in cols))
-        for name in names:
-            cells = []
-            for c in cols:
-                r = next((r for r in rs if r["policy"] == name and r[key] == c), None)
-                if r is None:
-                    cells.append(f"{'-':>32}")
-                    continue
-                mark = "" if r["lossless"] else "!"             # "!": output differed from AR's
-                tau = f"{r['tau']:5.2f} [{r['tau_ci'][0]:4.2f},{r['tau_ci'][1]:5.2f}]"
-                speed = f"{r['speedup']:4.2f}x [{r['speedup_ci'][0]:4.2f},{r['speedup_ci'][1]:4.2f}]"
-                cells.append(f"{tau} {speed}{mark}".rjust(32))
-            lines.append(f"{name:<14}" + "".join(cells))
+        for title, key, suffix in (("tau", "tau", ""), ("tau - Window (paired)", "tau_minus_window", ""),
+                                   ("speedup over AR (median TPOT per prompt)", "speedup", "x")):
+            if not any(key in r for r in rs):
+                continue
+            lines.append(f"\n{task}: {title} [95% CI], by length (tokens)")
+            lines.append(f"{'row':<14}" + "".join(f"{c:>24}" for c in cols))
+            for name in names:
+                cells = []
+                for c in cols:
+                    r = next((r for r in rs if r["policy"] == name and r["length"] == c), None)
+                    if r is None or key not in r:
+                        cells.append(f"{'-':>24}")
+                        continue
+                    mark = "" if r["lossless"] else "!"             # "!": output differed from AR's
+                    sign = "+" if key == "tau_minus_window" else ""
+                    text = f"{r[key]:{sign}5.2f}{suffix} [{r[key + '_ci'][0]:{sign}.2f}, {r[key + '_ci'][1]:{sign}.2f}]"
+                    cells.append((text + mark).rjust(24))
+                lines.append(f"{name:<14}" + "".join(cells))
     return "\n".join(lines)
 
 
 def plot(records: list[dict], path: Path) -> None:
+    """Top: tau vs length per row (markers, no bands). Bottom: each row's paired tau difference to
+    Window with its 95% CI (error bars, rows offset sideways so they do not overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,23 +362,38 @@ def plot(records: list[dict], path: Path) -> None:
     tasks = [t for t in dict.fromkeys(r["task"] for r in records) if t != "shift"]
     if not tasks:
         return
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6.2 * len(tasks), 7.6), squeeze=False, sharex="col",
+                             gridspec_kw=dict(height_ratios=[3, 2]))
+    for col, task in enumerate(tasks):
         rs = [r for r in records if r["task"] == task and r["policy"] != "AR"]
-        for name in dict.fromkeys(r["policy"] for r in rs):
-            pts = sorted((r["length"], r["tau"], *r["tau_ci"]) for r in rs if r["policy"] == name)
+        names = list(dict.fromkeys(r["policy"] for r in rs))
+        top, bottom = axes[0][col], axes[1][col]
+        for i, name in enumerate(names):
+            pts = sorted((r["length"], r) for r in rs if r["policy"] == name)
             x = [p[0] for p in pts]
-            style = dict(lw=2.5) if name == "fold" else dict(lw=1.2)
-            ax.plot(x, [p[1] for p in pts], marker="o", label=name, **style)
-            ax.fill_between(x, [p[2] for p in pts], [p[3] for p in pts], alpha=0.12)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (bytes = tokens)")
-        ax.set_ylabel("tau (tokens per round)")
-        ax.set_title(f"{task}: acceptance length vs context length")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="best")
+            style = dict(lw=2.8, zorder=5) if name in ("fold", "window") else dict(lw=1.0, alpha=0.8)
+            line, = top.plot(x, [p[1]["tau"] for p in pts], marker="o", label=name, **style)
+            if all("tau_minus_window" in p[1] for p in pts):
+                offset = 2 ** ((i - len(names) / 2) * 0.025)           # a small sideways shift on the log axis
+                diff = [p[1]["tau_minus_window"] for p in pts]
+                err = [[d - p[1]["tau_minus_window_ci"][0] for d, p in zip(diff, pts)],
+                       [p[1]["tau_minus_window_ci"][1] - d for d, p in zip(diff, pts)]]
+                bottom.errorbar([v * offset for v in x], diff, yerr=err, marker="o", capsize=3, color=line.get_color(),
+                                **({"lw": 2.4} if name == "fold" else {"lw": 1.0, "alpha": 0.8}))
+        bottom.axhline(0, color="black", lw=0.8)
+        lengths = sorted({r["length"] for r in rs})
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [f"{n / 1024:.3g}K" if n >= 1024 else str(n) for n in lengths])
+            ax.minorticks_off()
+            ax.grid(alpha=0.3)
+        top.set_ylabel("tau (tokens per round)")
+        top.set_title(f"{task}: acceptance length vs context length")
+        bottom.set_ylabel("tau - Window (paired, 95% CI)")
+        bottom.set_xlabel("context length (tokens)")
+        top.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -317,63 +454,75 @@ def save_results(records: list[dict], out: Path) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fold-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 lengths, 4 rows: under 5 minutes on 2 cores")
+    ap.add_argument("--quick", action="store_true", help="2 lengths, 4 rows: under 2 minutes on 2 cores")
     ap.add_argument("--shift", action="store_true", help="run the Finding-1 diagnostic (block moved far away)")
     ap.add_argument("--out", type=Path, default=Path("fold-demo-out"))
     ap.add_argument("--lengths", type=_int_at_least(256), nargs="+",
-                    help="context lengths in bytes, each >= 256 (default: preset)")
+                    help="context lengths in tokens, each >= 256 (default: preset)")
     ap.add_argument("--rows", nargs="+", choices=POLICIES + (ANCHOR_ROW,),
                     help="policies to compare (default: preset)")
-    ap.add_argument("--tasks", nargs="+", choices=("code", "retrieval"), default=["code", "retrieval"])
+    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     ap.add_argument("--prompts", type=_int_at_least(1), help="prompts per task and length (default: preset)")
     ap.add_argument("--new-tokens", type=_int_at_least(1), help="tokens generated per code prompt (default: preset)")
+    ap.add_argument("--repeats", type=_int_at_least(1), help="timed runs of each row per prompt (default: preset)")
     ap.add_argument("--window", type=_int_at_least(8, " (StreamingLLM keeps 4 sinks and window - 4 recent entries)"),
-                    default=256, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's)")
+                    default=128, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's), in tokens")
     ap.add_argument("--alpha", type=_alpha, default=2.0, help="FOLD's concentration factor, in [1, 1e4]")
+    ap.add_argument("--artifacts", type=Path, default=None,
+                    help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
+                         "(default: the shipped pair)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.artifacts is not None:
+        missing = [d for d in PAIR_DIRS if not (args.artifacts / d / "config.json").is_file()]
+        if missing or not (args.artifacts / "target" / "tokenizer.json").is_file():
+            ap.error(f"--artifacts {args.artifacts} must hold {', '.join(d + '/' for d in PAIR_DIRS)} with config.json "
+                     f"and target/tokenizer.json (missing: {', '.join(missing) or 'target/tokenizer.json'})")
     try:
         check_writable(args.out)
     except OSError as exc:
         ap.error(f"--out {args.out} is not a writable folder: {exc}")
 
     preset = PRESETS["quick" if args.quick else "default"]
-    lengths = args.lengths if args.lengths is not None else preset["lengths"]
-    rows = tuple(args.rows if args.rows is not None else preset["rows"])
-    prompts = args.prompts if args.prompts is not None else preset["prompts"]
-    new_tokens = args.new_tokens if args.new_tokens is not None else preset["new_tokens"]
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
+    lengths, prompts, new_tokens, repeats = pick("lengths"), pick("prompts"), pick("new_tokens"), pick("repeats")
+    rows = tuple(pick("rows"))
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    target, drafter, anchor = load_pair()
+    target, drafter, anchor, tokenizer = load_pair(args.artifacts)
     from fold.demo import data
 
-    held = data.held_out_code()
-    total = len(args.tasks) * len(lengths) * len(rows) + (2 * len(SHIFTS) if args.shift else 0)
+    held_ids = {name: data.encode(tokenizer, text) for name, text in data.held_out_code().items()}
+    train_len = training_length(args.artifacts)
+    total = len(args.tasks) * len(lengths) * prompts * repeats * (len(rows) + 1) \
+        + (2 * len(SHIFT_FACTORS) if args.shift else 0)
     bar = None
     if not args.no_progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc="fold-demo", unit="run", file=sys.stderr)
     log = bar.write if bar is not None else print
-    records = run_comparison(target, drafter, anchor, held=held, tasks=args.tasks, lengths=lengths, rows=rows,
-                             prompts=prompts, new_tokens=new_tokens, window=args.window, alpha=args.alpha,
-                             seed=args.seed, bar=bar, log=log)
+    records = run_comparison(target, drafter, anchor, tokenizer, held_ids=held_ids, tasks=args.tasks,
+                             lengths=lengths, rows=rows, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
+                             window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
+                             log=log)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
-        records += run_shift(target, drafter, anchor, held=held, prompts=prompts, new_tokens=new_tokens,
-                             seed=args.seed, bar=bar)
+        records += run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,
+                             new_tokens=new_tokens, seed=args.seed, train_len=train_len, bar=bar)
         table = save_results(records, args.out)
     if bar is not None:
         bar.close()
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
-    print(f"\nW={args.window}, alpha={args.alpha}, {prompts} prompts per cell, {new_tokens} new tokens per code "
-          f"prompt, {ANSWER_TOKENS} per retrieval prompt; "
-          f"{time.perf_counter() - t0:.0f} s")
-    print(f"lossless: {len(runs) - len(bad)}/{len(runs)} runs produced exactly the target's greedy output"
-          + ("" if not bad else " -- FAILED: " + ", ".join(f"{r['task']}/{r['length']}/{r['policy']}" for r in bad)))
+    print(f"\nW={args.window}, alpha={args.alpha}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
+          f"{new_tokens} new tokens per code prompt, the stored value's length per retrieval prompt; drafter trained "
+          f"on {train_len} tokens; {time.perf_counter() - t0:.0f} s")
+    print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "
+          "prompt and repeat" + ("" if not bad else " -- FAILED: " + ", ".join(
+              f"{r['task']}/{r['length']}/{r['policy']}" for r in bad)))
     print(f"wrote {args.out / 'results.json'} and {args.out / 'tau_vs_length.png'}")
     return 1 if bad else 0
 
