@@ -3,12 +3,13 @@
     python examples/generate.py --target ~/models/Llama-3.1-8B-Instruct \\
         --drafter ~/models/LLaMA3.1-8B-Instruct-DFlash --policy fold --prompt-file long_prompt.txt
 
-    # the shipped demo pair (byte-level: token i is byte i, no tokenizer files)
+    # the shipped demo pair (its BPE tokenizer lives in the target directory)
     python examples/generate.py --target fold/demo/artifacts/target --drafter fold/demo/artifacts/drafter \\
         --prompt-file fold/spec/generate.py --dtype float32 --compare-ar
 
 Both directories are read offline (``config.json`` + safetensors; the target's tokenizer from its
-directory, or bytes with ``--tokenizer bytes``, the default for the demo's ``fold_toy`` target).
+directory, or bytes with ``--tokenizer bytes``, the default for a target directory without
+tokenizer files).
 Prints the generated text, τ, and with ``--compare-ar`` the speedup over the target alone and
 whether the outputs are identical (they must be at temperature 0).
 """
@@ -16,7 +17,6 @@ whether the outputs are identical (they must be at temperature 0).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ POLICY_OPTIONS = {"fold": ("window", "alpha"), "window": ("window",), "rerope": 
 
 
 class ByteTokenizer:
-    """Token i is byte i (the demo's byte-level target); ids >= 256 (the mask) decode to nothing."""
+    """Token i is byte i (a byte-level target); ids >= 256 (special tokens) decode to nothing."""
 
     eos_token_id = None
 
@@ -86,7 +86,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--tokenizer", choices=["auto", "hf", "bytes"], default="auto",
                         help="hf: the target directory's tokenizer; bytes: token i is byte i; "
-                             "auto: bytes for the demo's fold_toy target, else hf")
+                             "auto: hf when the target directory has tokenizer files, else bytes")
     parser.add_argument("--compare-ar", action="store_true", help="also run the target alone and compare")
     args = parser.parse_args(argv)
     for name in ("target", "drafter"):
@@ -98,11 +98,11 @@ def parse_args(argv=None):
         parser.error(f"--prompt-file {args.prompt_file} is empty")
     if not 1.0 <= args.alpha <= MAX_ALPHA:
         parser.error(f"--alpha must lie in [1, {MAX_ALPHA:g}], got {args.alpha}")
+    has_tokenizer = any((args.target / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                              "tokenizer.model"))
     if args.tokenizer == "auto":
-        model_type = json.loads((args.target / "config.json").read_text()).get("model_type")
-        args.tokenizer = "bytes" if model_type == "fold_toy" else "hf"
-    if args.tokenizer == "hf" and not any((args.target / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                                "tokenizer.model")):
+        args.tokenizer = "hf" if has_tokenizer else "bytes"
+    if args.tokenizer == "hf" and not has_tokenizer:
         parser.error(f"--target {args.target} has no tokenizer files; pass --tokenizer bytes for a byte-level model")
     return args
 

@@ -53,7 +53,7 @@ def test_fold_vs_attention_rejects_bad_options(args, words, capsys):
     assert words in capsys.readouterr().err
 
 
-def test_generate_example_runs_on_the_shipped_byte_level_pair(tmp_path, capsys):
+def test_generate_example_runs_on_the_shipped_pair_with_its_tokenizer(tmp_path, capsys):
     import fold.demo
     import generate
 
@@ -63,7 +63,21 @@ def test_generate_example_runs_on_the_shipped_byte_level_pair(tmp_path, capsys):
                           "--prompt-file", str(prompt), "--max-new-tokens", "16", "--window", "64",
                           "--dtype", "float32", "--compare-ar"]) == 0
     out = capsys.readouterr().out
-    assert "prompt: 700 tokens" in out and "identical output: True" in out
+    n_tokens = int(out.split("prompt: ")[1].split(" tokens")[0])
+    assert 100 < n_tokens < 700, n_tokens          # the target directory's BPE tokenizer, not bytes
+    assert "identical output: True" in out
+
+
+def _target_without_tokenizer(tmp_path):
+    import shutil
+
+    import fold.demo
+
+    bare = tmp_path / "bare_target"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(fold.demo.TARGET_DIR / name, bare / name)
+    return bare
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -79,8 +93,9 @@ def test_generate_example_rejects_bad_options(tmp_path, capsys, extra, words):
 
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):\n")
+    target = _target_without_tokenizer(tmp_path) if "--tokenizer" in extra else fold.demo.TARGET_DIR
     with pytest.raises(SystemExit) as info:
-        generate.main(["--target", str(fold.demo.TARGET_DIR), "--drafter", str(fold.demo.DRAFTER_DIR),
+        generate.main(["--target", str(target), "--drafter", str(fold.demo.DRAFTER_DIR),
                        "--prompt-file", str(prompt)] + extra)
     assert info.value.code == 2 and words in capsys.readouterr().err
 
