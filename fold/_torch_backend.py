@@ -23,7 +23,7 @@ import torch
 from fold.merge import merge_into, merge_pair
 from fold.rope import rotate, rotate_with, work_dtype
 
-CHUNK_BYTES = 2 << 20   # keys prepared per step (float32), read while still in cache
+CHUNK_BYTES = 4 << 20   # keys prepared per step (float32), read while still in L2/L3 (1,024 entries at 8 x 128)
 MATH_CHUNK = 4096       # entries per step where no fused kernel returns the LSE (non-CPU devices)
 
 
@@ -87,10 +87,9 @@ def _chunk_mask(head_mask, lo, c0, c1):
     return mask
 
 
-def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int = 1, offset: int = 0,
-          head_mask=None):
+def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, inverse: bool = False, head_mask=None):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``; with ``rope`` entry j's key
-    is first rotated by ``j + offset`` (``sign=1``) or ``-j`` (``sign=-1``, offset 0), a pure rotation.
+    is first rotated by ``j`` (by ``-j`` with ``inverse``), a pure rotation.
     ``head_mask [M, K]`` (additive) hides some of the first K entries from some rows. Returns ``(o, lse)``
     in q's dtype."""
     if hi <= lo:
@@ -113,10 +112,8 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, sign: int
         c1 = min(c0 + chunk, hi)
         k, v = cache.rows(c0, c1)                                                 # [C, Hkv, d]
         if rope is not None:
-            # positions sign * j + offset: j + offset from the table, or -j as the inverse of j
-            start = c0 + offset if sign > 0 else c0
-            cos, sin = rope.cos_sin(start, c1 - c0, dtype=q.dtype, device=q.device)
-            k = rotate_with(k, cos[:, None], sin[:, None], rope, inverse=sign < 0,
+            cos, sin = rope.cos_sin(c0, c1 - c0, dtype=q.dtype, device=q.device)        # the kept table of j
+            k = rotate_with(k, cos[:, None], sin[:, None], rope, inverse=inverse,
                             out=buf[:c1 - c0] if k.dtype == q.dtype else None)
             k = k.to(kv_dtype)
         elif k.stride(-1) != 1:
@@ -188,14 +185,14 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         qm = _pack(q[b], heads_kv).to(work).view(heads_kv, n_q, -1, head_dim)        # [Hkv, n_q, group, d]
         far_start = window + n_q
         q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_distance_per_row)
-        q_win = _rotate_rows(qm, n if keys_rotated else 0, rope, q_factor)           # unrotated: relative to n
+        q_win = _rotate_rows(qm, n, rope, q_factor)                                  # rows at n + r
 
-        far = _read(q_far, cache, 0, a, alpha * softmax_scale, *((rope, -1, 0) if keys_rotated else ()))
+        far = _read(q_far, cache, 0, a, alpha * softmax_scale, *((rope, True) if keys_rotated else ()))
         # the window read starts at the n_q - 1 mixed entries [a, c): row r sees entry j iff j >= win_lo + r
         jm = torch.arange(a, c, device=q.device)
         in_window = jm[None, :] >= (win_lo + row_r)[:, None]                            # [M, c - a]
         head_mask = torch.zeros(in_window.shape, dtype=work, device=q.device).masked_fill_(~in_window, float("-inf"))
-        win = _read(q_win, cache, a, length, softmax_scale, *(() if keys_rotated else (rope, 1, -n)),
+        win = _read(q_win, cache, a, length, softmax_scale, *(() if keys_rotated else (rope, False)),
                     head_mask=head_mask if c > a else None)
         if c > a:                                                                       # their far part
             km, vm = cache.rows(a, c)
