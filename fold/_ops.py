@@ -40,7 +40,7 @@ def _unit_stride(*tensors):
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, window: int, alpha: float,
                  softmax_scale: float, rotary_dim: int, interleaved: bool, attention_factor: float,
-                 keys_rotated: bool, far_shared: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 keys_rotated: bool, far_per_row: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs (see ``fold.attention``) -> ``(out, lse)``, lse natural log."""
     if backend == "torch":
         from fold._torch_backend import fold_attention_torch
@@ -48,23 +48,22 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
         return fold_attention_torch(q, k, v, _rope(inv_freq, rotary_dim, interleaved, attention_factor),
                                     cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
                                     keys_rotated=keys_rotated, return_lse=True, block_table=block_table,
-                                    far_distance_per_row=far_shared)
+                                    far_per_row=far_per_row)
     from fold.config_lookup import config_for
     from fold.kernels.fold_attention import fold_attention_fwd
 
     q, k, v = _unit_stride(q, k, v)
-    max_len = None if block_table is None else block_table.shape[1] * k.shape[1]   # pages: the table's reach
-    config = config_for(q, k, keys_rotated, max_len=max_len)
+    config = config_for(q, k, keys_rotated, block_table=block_table)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         return fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, window=window, alpha=alpha,
                                   softmax_scale=softmax_scale, rotary_dim=rotary_dim, interleaved=interleaved,
                                   attention_factor=attention_factor, keys_rotated=keys_rotated, return_lse=True,
-                                  config=config, block_table=block_table, far_per_row=far_shared)
+                                  config=config, block_table=block_table, far_per_row=far_per_row)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
-                    interleaved, attention_factor, keys_rotated, far_shared, backend):
+                    interleaved, attention_factor, keys_rotated, far_per_row, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 
@@ -86,8 +85,7 @@ def tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         return tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens,
                                   softmax_scale=softmax_scale, return_lse=True,
-                                  config=config_for(q, k_cache, True, max_len=None if block_table is None
-                                                    else block_table.shape[1] * k_cache.shape[1]),
+                                  config=config_for(q, k_cache, True, block_table=block_table),
                                   block_table=block_table)
 
 

@@ -156,11 +156,11 @@ def _unpack(x, n):
 
 
 def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
-                         block_table=None, far_distance_per_row=True):
+                         block_table=None, far_per_row=True):
     """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
 
     ``k, v`` are ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, page_size, Hkv, d]`` with
-    ``block_table [batch, max_blocks]``. ``far_distance_per_row=False`` reads every far entry at
+    ``block_table [batch, max_blocks]``. ``far_per_row=False`` reads every far entry at
     distance ``D`` from every row instead of ``D + r`` (ReRoPE's rule).
     """
     batch, n_q, heads_q, head_dim = q.shape
@@ -184,7 +184,7 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         a, c = max(0, win_lo), max(0, far_hi)
         qm = _pack(q[b], heads_kv).to(work).view(heads_kv, n_q, -1, head_dim)        # [Hkv, n_q, group, d]
         far_start = window + n_q
-        q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_distance_per_row)
+        q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_per_row)
         q_win = _rotate_rows(qm, n, rope, q_factor)                                  # rows at n + r
 
         far = _read(q_far, cache, 0, a, alpha * softmax_scale, *((rope, True) if keys_rotated else ()))

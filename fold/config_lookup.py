@@ -312,15 +312,15 @@ def use_config(config: FoldConfig):
 
 
 def config_for(q: torch.Tensor, k: torch.Tensor, keys_rotated: bool, *, device: str | None = None,
-               sms: int | None = None, max_len: int | None = None) -> FoldConfig:
-    """The configuration for ``q [B, n_q, Hq, d]`` over ``k [B, max_len, Hkv, d]``; ``device`` (a
-    cache file name) and ``sms`` default to q's device (set them to ask for another GPU); pass
-    ``max_len`` for a paged cache (``k`` is then pages ``[num_blocks, page_size, Hkv, d]``)."""
+               sms: int | None = None, block_table: torch.Tensor | None = None) -> FoldConfig:
+    """The configuration for ``q [B, n_q, Hq, d]`` over ``k [B, max_len, Hkv, d]``, or over pages
+    ``k [num_blocks, page_size, Hkv, d]`` with ``block_table``; ``device`` (a cache file name) and
+    ``sms`` default to q's device (set them to ask for another GPU)."""
     forced = _forced.get()
     if forced is not None:
         return forced
     batch, n_q, heads_q, head_dim = q.shape
-    max_len, heads_kv = max_len or k.shape[1], k.shape[2]
+    max_len, heads_kv = _kernels.cache_len(k, block_table), k.shape[2]
     group = heads_q // heads_kv
     key = shape_key(head_dim=head_dim, group=group, n_q=n_q, dtype=q.dtype, keys_rotated=keys_rotated,
                     max_len=max_len)

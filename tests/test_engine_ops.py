@@ -179,8 +179,8 @@ def test_a_paged_read_is_configured_for_the_tables_reach(monkeypatch):
     from fold import config_lookup
 
     seen = []
-    real = config_lookup.config_for
-    monkeypatch.setattr(config_lookup, "config_for", lambda *a, **kw: (seen.append(kw.get("max_len")), real(*a, **kw))[1])
+    real = config_lookup.shape_key                 # the length config_for keys the config (and its splits) on
+    monkeypatch.setattr(config_lookup, "shape_key", lambda **kw: (seen.append(kw["max_len"]), real(**kw))[1])
     q, kp, vp, seqlens, table = _paged_args()
     fold.attention(q, kp, vp, window=8, rope=fold.Rope.from_theta(10000.0, 16), cache_seqlens=seqlens,
                    block_table=table, backend="triton")

@@ -504,6 +504,12 @@ def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n:
     return max(1, min(num_splits, -(-entries // (2 * block_n))))
 
 
+def cache_len(k, block_table=None) -> int:
+    """Entries a sequence can hold: ``k [B, max_len, Hkv, d]``, or with ``block_table [B, max_blocks]``
+    pages ``[num_blocks, page_size, Hkv, d]``, whose reach is ``max_blocks * page_size``."""
+    return k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
+
+
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
                        block_table=None, far_per_row=True, lse_base2=False):
@@ -521,7 +527,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
     page_size = k.shape[1] if block_table is not None else 0
-    max_len = block_table.shape[1] * page_size if block_table is not None else k.shape[1]
+    max_len = cache_len(k, block_table)
     group = heads_q // heads_kv
     rows = n_q * group
     m_tiles = triton.cdiv(rows, config.block_m)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fold.kernels.fold_attention import INTERPRETED, LOG2E, FoldConfig, fold_attention_fwd
+from fold.kernels.fold_attention import INTERPRETED, LOG2E, FoldConfig, cache_len, fold_attention_fwd
 
 # The tree is one tile (n_tree is small); rows per program are the launcher's block_m (a power of two >= 16).
 
@@ -94,7 +94,7 @@ def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seq
     With ``block_table`` the cache is paged as in :func:`fold_attention_fwd`."""
     batch, n_tree, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
-    max_len = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    max_len = cache_len(k_cache, block_table)
     group = heads_q // heads_kv
     identity = torch.zeros(head_dim // 2, device=q.device, dtype=torch.float32)   # queries/keys arrive rotated
     o_c, lse_c = fold_attention_fwd(
