@@ -307,8 +307,9 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
     return records
 
 
-def _fmt(value, ci, width=5, prec=2, suffix=""):
-    return f"{value:{width}.{prec}f}{suffix} [{ci[0]:.{prec}f}, {ci[1]:.{prec}f}]"
+def _fmt(value, ci, suffix="", sign=""):
+    """``value [lo, hi]`` to two decimals; ``sign="+"`` marks positive numbers too (differences)."""
+    return f"{value:{sign}5.2f}{suffix} [{ci[0]:{sign}.2f}, {ci[1]:{sign}.2f}]"
 
 
 def format_table(records: list[dict]) -> str:
@@ -345,8 +346,7 @@ def format_table(records: list[dict]) -> str:
                         continue
                     mark = "" if r["lossless"] else "!"             # "!": output differed from AR's
                     sign = "+" if key == "tau_minus_window" else ""
-                    text = f"{r[key]:{sign}5.2f}{suffix} [{r[key + '_ci'][0]:{sign}.2f}, {r[key + '_ci'][1]:{sign}.2f}]"
-                    cells.append((text + mark).rjust(24))
+                    cells.append((_fmt(r[key], r[key + "_ci"], suffix, sign) + mark).rjust(24))
                 lines.append(f"{name:<14}" + "".join(cells))
     return "\n".join(lines)
 
