@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import sysconfig
+from collections import Counter
 from pathlib import Path
 
 HELD_OUT = ("asyncio", "email", "json", "xml")
@@ -266,9 +267,10 @@ def retrieval_prompt(rng: random.Random, tokenizer, length: int, min_distance: i
         size += len(ids)
     kept.reverse()
     keys = [text.split(":")[0] for text, _ in kept]
+    uses = Counter(keys)
     far, before = [], size
     for i, (text, ids) in enumerate(kept):
-        if before >= min_distance and keys.count(keys[i]) == 1:
+        if before >= min_distance and uses[keys[i]] == 1:
             far.append(i)
         before -= len(ids)
     if not far:
