@@ -40,7 +40,8 @@ def _unit_stride(*tensors):
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, window: int, alpha: float,
                  softmax_scale: float, rotary_dim: int, interleaved: bool, attention_factor: float,
-                 keys_rotated: bool, far_per_row: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 keys_rotated: bool, far_per_row: bool, queries_rotated: bool,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs (see ``fold.attention``) -> ``(out, lse)``, lse natural log."""
     if backend == "torch":
         from fold._torch_backend import fold_attention_torch
@@ -48,7 +49,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
         return fold_attention_torch(q, k, v, _rope(inv_freq, rotary_dim, interleaved, attention_factor),
                                     cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
                                     keys_rotated=keys_rotated, return_lse=True, block_table=block_table,
-                                    far_per_row=far_per_row)
+                                    far_per_row=far_per_row, queries_rotated=queries_rotated)
     from fold.config_lookup import config_for
     from fold.kernels.fold_attention import fold_attention_fwd
 
@@ -58,12 +59,13 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
         return fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, window=window, alpha=alpha,
                                   softmax_scale=softmax_scale, rotary_dim=rotary_dim, interleaved=interleaved,
                                   attention_factor=attention_factor, keys_rotated=keys_rotated, return_lse=True,
-                                  config=config, block_table=block_table, far_per_row=far_per_row)
+                                  config=config, block_table=block_table, far_per_row=far_per_row,
+                                  queries_rotated=queries_rotated)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
-                    interleaved, attention_factor, keys_rotated, far_per_row, backend):
+                    interleaved, attention_factor, keys_rotated, far_per_row, queries_rotated, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 

@@ -156,12 +156,14 @@ def _unpack(x, n):
 
 
 def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
-                         block_table=None, far_per_row=True):
+                         block_table=None, far_per_row=True, queries_rotated=False):
     """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
 
     ``k, v`` are ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, page_size, Hkv, d]`` with
     ``block_table [batch, max_blocks]``. ``far_per_row=False`` reads every far entry at
-    distance ``D`` from every row instead of ``D + r`` (ReRoPE's rule).
+    distance ``D`` from every row instead of ``D + r`` (ReRoPE's rule). ``queries_rotated``: ``q``
+    holds ``R_{n+r} q``; the window reads it as it is and the far branch turns it on by the difference
+    of the two positions.
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -171,9 +173,9 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
     else:
         seqlens = cache_seqlens.tolist()
     f = rope.attention_factor
-    # R_0 k = f k on the rotary dims, and the window's R_j k carries f too: with unrotated keys q takes
-    # both factors (f^2); with rotated keys the cache already holds one, and un-rotating is pure
-    q_factor = f if keys_rotated else f * f
+    # R_0 k = f k on the rotary dims, and the window's R_j k carries f too: q takes its own factor unless
+    # it arrives rotated, and the key's unless the cache already holds it (un-rotating is pure)
+    q_factor = (1.0 if queries_rotated else f) * (1.0 if keys_rotated else f)
     row_r = torch.arange(n_q, device=q.device).repeat_interleave(heads_q // heads_kv)   # [M] row m = r * group + h
     out = torch.empty_like(q)
     lse_out = torch.empty(batch, n_q, heads_q, device=q.device, dtype=work) if return_lse else None
@@ -184,8 +186,16 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         a, c = max(0, win_lo), max(0, far_hi)
         qm = _pack(q[b], heads_kv).to(work).view(heads_kv, n_q, -1, head_dim)        # [Hkv, n_q, group, d]
         far_start = window + n_q
-        q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_per_row)
-        q_win = _rotate_rows(qm, n, rope, q_factor)                                  # rows at n + r
+        if queries_rotated:          # q at n + r: turn by D + r - (n + r) (shared) or D - (n + r) (fixed)
+            if far_per_row:
+                q_far = _rotate_rows(qm, far_start - n, rope, q_factor, per_row=False)
+            else:
+                turn = far_start - n - torch.arange(n_q, device=q.device)
+                q_far = rotate(qm.transpose(1, 2), turn, rope, factor=q_factor).transpose(1, 2).flatten(1, 2)
+            q_win = _rotate_rows(qm, 0, rope, q_factor, per_row=False)               # already at n + r
+        else:
+            q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_per_row)
+            q_win = _rotate_rows(qm, n, rope, q_factor)                              # rows at n + r
 
         far = _read(q_far, cache, 0, a, alpha * softmax_scale, *((rope, True) if keys_rotated else ()))
         # the window read starts at the n_q - 1 mixed entries [a, c): row r sees entry j iff j >= win_lo + r

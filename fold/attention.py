@@ -22,7 +22,8 @@ FAR_POSITIONS = ("shared", "fixed_distance")
 
 
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
-              softmax_scale=None, return_lse=False, backend="auto", check_ranges=None, far_position="shared"):
+              queries_rotated=False, softmax_scale=None, return_lse=False, backend="auto", check_ranges=None,
+              far_position="shared"):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -61,6 +62,10 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
         keys_rotated: ``False``: ``k`` holds unrotated keys (one cache serves both branches).
             ``True``: ``k`` holds ``R_j k_j``, as engines store them; the far branch un-rotates
             them in the kernel. Both layouts give the same result. Default: ``False``.
+        queries_rotated: ``False``: ``q`` holds the block's queries before RoPE. ``True``: ``q`` holds
+            ``R_p q`` at each row's true position ``p = n + r`` (with ``rope.attention_factor``), as an
+            engine's attention layer receives them; the window reads them as they are and the far
+            branch turns them by ``far position - p``. Both give the same result. Default: ``False``.
         softmax_scale: Default: ``head_dim ** -0.5``.
         return_lse: also return ``log(Z_N + Z_F)`` as [batch, n_q, heads_q] float32 (natural log),
             so the result merges with other states through :func:`fold.merge_states`.
@@ -96,6 +101,8 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
     """
     args = _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale,
                      return_lse, backend, check_ranges)
+    if not isinstance(queries_rotated, bool):
+        raise TypeError(f"queries_rotated must be a bool, got {type(queries_rotated).__name__}")
     if far_position not in FAR_POSITIONS:
         raise ValueError(f"far_position must be one of {FAR_POSITIONS}, got {far_position!r}")
     from fold._ops import attention_op
@@ -103,7 +110,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
     out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
                             args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],
                             rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated,
-                            far_position == "shared", args["backend"])
+                            far_position == "shared", queries_rotated, args["backend"])
     return (out, lse) if return_lse else out
 
 

@@ -11,7 +11,9 @@ Entry ``j`` is in the window of row ``r`` iff ``p - j < D``, else in the far mem
 
 ``R_0 k`` is ``k`` with its rotary dimensions times ``attention_factor`` (1 unless YaRN), which is
 what "read at the shared virtual position" means: ``(R_{D+r} q) . (R_0 k) = (R_p q) . (R_{n-D} k)``.
-With ``keys_rotated`` the cache holds ``R_j k_j`` and is un-rotated here first.
+With ``keys_rotated`` the cache holds ``R_j k_j`` and is un-rotated here first; with
+``queries_rotated`` the block's queries arrive as ``R_p q`` (at their true positions ``p = n + r``,
+as engines rotate them) and are un-rotated here first.
 
 Nothing here is fast: logits are materialised as ``[heads_q, n_q, L]`` per sequence.
 """
@@ -27,10 +29,11 @@ def _cast(x, upcast):
 
 
 def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
-                       softmax_scale=None, upcast=True):
+                       queries_rotated=False, softmax_scale=None, upcast=True):
     """Reference FOLD attention.
 
-    q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block
+    q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block (``R_{n+r} q`` with
+          ``queries_rotated``)
     k, v: [batch, max_len, heads_kv, head_dim]; the first ``cache_seqlens[b]`` entries are valid
     rope: any object with ``inv_freq``, ``rotary_dim``, ``interleaved``, ``attention_factor``
     upcast: compute in float64 (the truth); ``False`` computes in the inputs' dtype, which is how
@@ -57,6 +60,8 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         r = torch.arange(n_q, device=q.device)
         if keys_rotated:
             kb = apply_rope(kb, j[:, None], inv_freq, inverse=True, **rot)
+        if queries_rotated:
+            qb = apply_rope(qb, (n + r)[:, None], inv_freq, inverse=True, **rot)
         k_window = apply_rope(kb, j[:, None], inv_freq, **rot)
         k_far = apply_rope(kb, torch.zeros_like(j)[:, None], inv_freq, **rot)
         q_window = apply_rope(qb, (n + r)[:, None], inv_freq, **rot)
@@ -81,7 +86,8 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
     return torch.stack(outs), torch.stack(lses)
 
 
-def rope_attention_ref(q, k, v, *, rope, cache_seqlens=None, keys_rotated=False, softmax_scale=None, upcast=True):
+def rope_attention_ref(q, k, v, *, rope, cache_seqlens=None, keys_rotated=False, queries_rotated=False,
+                       softmax_scale=None, upcast=True):
     """Plain RoPE attention of the block over all valid entries (no window, no far memory).
 
     Same shapes and return as :func:`fold_attention_ref`; row ``r`` is at position ``L - n_q + r``
@@ -89,4 +95,5 @@ def rope_attention_ref(q, k, v, *, rope, cache_seqlens=None, keys_rotated=False,
     """
     huge = k.shape[1] + q.shape[1]
     return fold_attention_ref(q, k, v, window=huge, rope=rope, alpha=1.0, cache_seqlens=cache_seqlens,
-                              keys_rotated=keys_rotated, softmax_scale=softmax_scale, upcast=upcast)
+                              keys_rotated=keys_rotated, queries_rotated=queries_rotated,
+                              softmax_scale=softmax_scale, upcast=upcast)

@@ -24,6 +24,7 @@ class Case:
     window: int = 16
     alpha: float = 2.0
     keys_rotated: bool = False
+    queries_rotated: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -38,7 +39,7 @@ def rope_of(case: Case) -> fold.Rope:
 
 def make_inputs(case: Case, pad=float("nan")):
     """q, k, v in ``case.dtype``; padding beyond each sequence's length is ``pad``; with
-    ``keys_rotated`` the cache holds ``R_j k_j``."""
+    ``keys_rotated`` the cache holds ``R_j k_j``, with ``queries_rotated`` q holds ``R_{n+r} q``."""
     g = torch.Generator().manual_seed(case.seed)
     heads_q = case.heads_kv * case.group
     q = torch.randn(case.batch, case.n_q, heads_q, case.head_dim, generator=g, dtype=torch.float64)
@@ -48,6 +49,12 @@ def make_inputs(case: Case, pad=float("nan")):
         rope = rope_of(case)
         k = apply_rope(k, torch.arange(case.max_len)[None, :, None], rope.inv_freq, rotary_dim=rope.rotary_dim,
                        interleaved=rope.interleaved, attention_factor=rope.attention_factor)
+    if case.queries_rotated:
+        rope = rope_of(case)
+        lengths = case.seqlens or (case.max_len,) * case.batch
+        p = torch.tensor(lengths)[:, None] - case.n_q + torch.arange(case.n_q)[None, :]      # [batch, n_q]
+        q = apply_rope(q, p[:, :, None], rope.inv_freq, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
+                       attention_factor=rope.attention_factor)
     q, k, v = (x.to(case.dtype) for x in (q, k, v))
     seqlens = None
     if case.seqlens is not None:
@@ -60,7 +67,7 @@ def make_inputs(case: Case, pad=float("nan")):
 
 def kwargs_of(case: Case, seqlens):
     return dict(window=case.window, rope=rope_of(case), alpha=case.alpha, cache_seqlens=seqlens,
-                keys_rotated=case.keys_rotated)
+                keys_rotated=case.keys_rotated, queries_rotated=case.queries_rotated)
 
 
 def reference_pair(case: Case, q, k, v, seqlens):

@@ -32,7 +32,7 @@ def cases(draw, dtypes, max_len_cap=2500):
         head_dim=head_dim, rotary_dim=rotary_dim, interleaved=draw(st.booleans()),
         attention_factor=draw(st.sampled_from([1.0, 1.0, 1.25])), max_len=max_len, seqlens=seqlens,
         window=window, alpha=draw(st.floats(1.0, 8.0)), keys_rotated=draw(st.booleans()),
-        dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
+        queries_rotated=draw(st.booleans()), dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
     )
 
 
@@ -131,6 +131,24 @@ def test_key_layouts_agree(backend):
     rotated = fold.attention(q, k_rot, v, **kwargs_of(case.with_(keys_rotated=True), seqlens), backend=backend)
     truth = plain.to(torch.float64)
     assert_close("rotated vs unrotated layout", rotated, truth, truth, case.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keys_rotated", [False, True])
+@pytest.mark.parametrize("far_position", ["shared", "fixed_distance"])
+def test_query_layouts_agree(backend, keys_rotated, far_position):
+    """Queries rotated at their true positions (as engines hand them over) give the read of the
+    unrotated queries, window and far memory alike, with a YaRN-style factor on both."""
+    case = PROPERTY_CASE.with_(attention_factor=1.25, keys_rotated=keys_rotated, seqlens=(200, 23))
+    q, k, v, seqlens = make_inputs(case)
+    q_rot, _, _, _ = make_inputs(case.with_(queries_rotated=True))
+    assert not torch.allclose(q, q_rot)
+    rotated, lse = fold.attention(q_rot, k, v, **kwargs_of(case.with_(queries_rotated=True), seqlens),
+                                  far_position=far_position, return_lse=True, backend=backend)
+    truth, lse_truth = (x.to(torch.float64) for x in fold.attention(
+        q, k, v, **kwargs_of(case, seqlens), far_position=far_position, return_lse=True, backend=backend))
+    assert_close("rotated vs unrotated queries", rotated, truth, truth, case.dtype)
+    assert_close("lse", lse, lse_truth, lse_truth, case.dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

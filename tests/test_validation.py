@@ -49,6 +49,7 @@ BAD = [
     (dict(rope=fold.Rope.from_theta(10000.0, 64)), ValueError, "rope.rotary_dim=64 must be <= head_dim=32"),
     (dict(rope="rope"), TypeError, "rope must be a fold.Rope"),
     (dict(keys_rotated=1), TypeError, "keys_rotated must be a bool"),
+    (dict(queries_rotated=1), TypeError, "queries_rotated must be a bool"),
     (dict(return_lse=None), TypeError, "return_lse must be a bool"),
     (dict(backend="cuda"), ValueError, "backend must be one of ('auto', 'torch', 'triton')"),
     (dict(far_position="row"), ValueError, "far_position must be one of ('shared', 'fixed_distance')"),

@@ -181,7 +181,7 @@ def fold_fwd_kernel_prologue(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, ROT_BLOCK_N: tl.constexpr,
-    FAR_PER_ROW: tl.constexpr,
+    FAR_PER_ROW: tl.constexpr, QUERIES_ROTATED: tl.constexpr,
 ):
     # QW, QF: [B, Hkv, n_q * GROUP, BLOCK_D] in the key tile's column order (natural, except for the
     # branch that rotates keys when the pairs do not tile the head dim: pair order [a | b]);
@@ -220,11 +220,18 @@ def fold_fwd_kernel_prologue(
     p_w = QW + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     p_f = QF + i_b * stride_wb + i_kvh * stride_wh + o_m[:, None] * stride_wm
     # window at the true positions n + r; far memory at the shared distance D + r (FOLD), or at the
-    # distance D from every row (FAR_PER_ROW off: ReRoPE's rule)
-    _rotate_store(p_w, qa, qb, (seq_len - n_q + o_r)[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
+    # distance D from every row (FAR_PER_ROW off: ReRoPE's rule). Queries that arrive rotated at
+    # n + r are turned by the difference: 0 for the window, far position - (n + r) for the far memory.
+    true_pos = seq_len - n_q + o_r
+    far_pos = window + n_q + o_r if FAR_PER_ROW else window + n_q + 0 * o_r
+    if QUERIES_ROTATED:
+        win_pos = 0 * o_r
+        far_pos = far_pos - true_pos
+    else:
+        win_pos = true_pos
+    _rotate_store(p_w, qa, qb, win_pos[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M,
                   BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
-    far_pos = window + n_q + o_r if FAR_PER_ROW else window + n_q + 0 * o_r
     _rotate_store(p_f, qa, qb, far_pos[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
                   HEAD_DIM=HEAD_DIM)
@@ -512,7 +519,7 @@ def cache_len(k, block_table=None) -> int:
 
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
-                       block_table=None, far_per_row=True, lse_base2=False):
+                       block_table=None, far_per_row=True, lse_base2=False, queries_rotated=False):
     """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
     stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
@@ -522,7 +529,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     None; ``out_dtype`` defaults to q's (float32 keeps a state for merging). ``config.num_splits``
     splits the far memory; the window gets :func:`window_splits`. ``far_per_row=False`` reads the far
     memory at distance D from every row (ReRoPE) instead of D + r; ``lse_base2`` returns the LSE in
-    base 2 (for the tree launcher, which merges in base 2), not the public natural log.
+    base 2 (for the tree launcher, which merges in base 2), not the public natural log;
+    ``queries_rotated``: q holds ``R_{n+r} q`` (the prologue turns each branch's copy by the difference).
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -538,9 +546,9 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     far_splits = config.num_splits if max_len - n_q - window > 0 else 0
     win_splits = window_splits(config.num_splits, max_len, window, n_q, block_n_win)
     states = far_splits + win_splits
-    # the rotary factor f scales q and k alike: q carries f for itself and, with unrotated keys,
-    # for the key too (with rotated keys the cache already holds it; un-rotating is a pure rotation)
-    q_rot_scale = attention_factor if keys_rotated else attention_factor * attention_factor
+    # the rotary factor f scales q and k alike: q carries f for itself (unless it arrives rotated) and,
+    # with unrotated keys, for the key too (a rotated cache holds it; un-rotating is a pure rotation)
+    q_rot_scale = (1.0 if queries_rotated else attention_factor) * (1.0 if keys_rotated else attention_factor)
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, ROT_HALF=rotary_dim // 2,
                   PASS=head_dim - rotary_dim, INTERLEAVED=interleaved, HAS_SEQLENS=cache_seqlens is not None,
@@ -564,7 +572,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
         heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
-        **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, FAR_PER_ROW=far_per_row, num_warps=4,
+        **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, FAR_PER_ROW=far_per_row,
+        QUERIES_ROTATED=queries_rotated, num_warps=4,
     )
     for is_window, q_branch, splits, offset, block_n in (
             (True, qw, win_splits, far_splits, block_n_win), (False, qf, far_splits, 0, block_n_far)):
