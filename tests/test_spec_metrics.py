@@ -37,9 +37,22 @@ def test_autoregressive_is_the_targets_greedy_output_and_metrics_line_up(tmp_pat
     sd = spec.generate(target, drafter, ids, max_new_tokens=10, window=8)
     assert torch.equal(ar.sequences, sd.sequences)
     assert torch.equal(ar.sequences[0], greedy_ar(target, ids[0], 10))
-    taus = spec.per_sequence_tau(sd)
-    assert len(taus) == 2 and all(t >= 1 for t in taus)
-    assert sd.tau == pytest.approx(sum(sum(s["committed_per_round"]) for s in sd.stats["per_sequence"])
-                                   / sum(s["rounds"] for s in sd.stats["per_sequence"]))
-    speedups = spec.per_sequence_speedup(sd, ar)
-    assert len(speedups) == 2 and all(s > 0 for s in speedups)
+    for seq, stats, tau in zip(sd.sequences, sd.stats["per_sequence"], spec.per_sequence_tau(sd)):
+        # the first token comes from the prefill; every later one was committed by some round
+        assert sum(stats["committed_per_round"]) == 10 - 1 and stats["rounds"] == len(stats["committed_per_round"])
+        assert tau == 9 / stats["rounds"]
+    assert sd.tau == 18 / sum(s["rounds"] for s in sd.stats["per_sequence"])
+    assert spec.per_sequence_tau(ar) == [1.0, 1.0]                        # one token per target forward
+
+
+def test_tau_and_speedup_of_known_stats():
+    result = spec.GenerateResult(sequences=torch.zeros(2, 1), tau=0.0, stats=dict(per_sequence=[
+        dict(committed_per_round=[3, 3, 1], rounds=3, tpot_s=0.5),
+        dict(committed_per_round=[], rounds=0, tpot_s=0.25)]))             # stopped by the prefill's token
+    ar = spec.GenerateResult(sequences=torch.zeros(2, 1), tau=1.0, stats=dict(per_sequence=[
+        dict(committed_per_round=[1] * 6, rounds=6, tpot_s=2.0), dict(committed_per_round=[], rounds=0, tpot_s=0.5)]))
+    assert spec.per_sequence_tau(result) == [7 / 3, 0.0]
+    assert spec.per_sequence_speedup(result, ar) == [4.0, 2.0]            # TPOT_AR / TPOT
+    with pytest.raises(ValueError, match="same sequences, got 2 and 1"):
+        spec.per_sequence_speedup(result, spec.GenerateResult(sequences=torch.zeros(1, 1), tau=1.0,
+                                                              stats=dict(per_sequence=ar.stats["per_sequence"][:1])))
