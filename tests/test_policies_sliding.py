@@ -17,6 +17,9 @@ WS = 6              # the layer's sliding window
 W = 9               # the policy's window (FOLD, ReRoPE)
 ROPE = fold.Rope.from_theta(10000.0, D)
 REQUEST = dict(prompt_len=50, max_new_tokens=10, block_size=N_Q)
+# float64 on both sides: two float64 orders of the same sums differ by ~1e-15, so F64 only catches
+# wrong math, never a summation order
+F64 = dict(rtol=1e-10, atol=1e-10)
 
 
 @pytest.fixture
@@ -68,7 +71,7 @@ def test_policies_that_change_only_the_full_layer_keep_the_native_sliding_read(q
     read = make_read(policy, ROPE, request=REQUEST, window=W, sinks=2, recent=5, reference_len=16,
                      infllm_block=4, infllm_init=2, infllm_topk=1, backend="torch")
     got = read.sliding(q, k, v, 0, sliding_window=WS, causal=causal)
-    torch.testing.assert_close(got, _native_dense(q, k, v, causal), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, _native_dense(q, k, v, causal), **F64)
 
 
 def test_the_native_causal_read_is_causal_within_the_block(qkv):
@@ -104,7 +107,7 @@ def test_fold_keeps_the_native_window_and_adds_far_memory_at_the_shared_position
     want = (w_n * o_n + (1 - w_n) * o_f).transpose(0, 1)[None]
     read = make_read("fold", ROPE, window=W, alpha=alpha, backend="torch")
     got = read.sliding(q, k, v, 0, sliding_window=WS, causal=causal)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, want, **F64)
     assert _outside_native(n, length, causal).any(1).all()                 # every row had far memory
 
 
@@ -112,7 +115,7 @@ def test_fold_on_a_sliding_layer_is_its_native_read_while_nothing_is_outside_the
     q, k, v = qkv
     short_k, short_v = k[:, :WS + 1 - N_Q + 1], v[:, :WS + 1 - N_Q + 1]    # n + n_q - 1 < Ws: nothing far
     got = make_read("fold", ROPE, window=W).sliding(q, short_k, short_v, 0, sliding_window=WS, causal=True)
-    torch.testing.assert_close(got, _native_dense(q, short_k, short_v, True), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, _native_dense(q, short_k, short_v, True), **F64)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -131,7 +134,7 @@ def test_rerope_keeps_the_native_window_and_puts_older_entries_at_distance_d(qkv
     want = torch.einsum("hrj,jhd->rhd", torch.softmax(s, -1), _values(v[0]))[None]   # one softmax
     read = make_read("rerope", ROPE, window=W, training_length=training_length, backend="torch")
     got = read.sliding(q, k, v, 0, sliding_window=WS, causal=causal)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, want, **F64)
 
 
 def test_cmr_sliding_layers_read_the_selection_renumbered_with_their_window(qkv):
@@ -141,12 +144,12 @@ def test_cmr_sliding_layers_read_the_selection_renumbered_with_their_window(qkv)
     kept = list(range(24, 36)) + list(range(n, k.shape[1]))                 # the 3 most recent chunks, then the block
     sel_k, sel_v = k[:, kept], v[:, kept]
     got = read.sliding(q, k, v, 0, sliding_window=WS, causal=True)
-    torch.testing.assert_close(got, _native_dense(q, sel_k, sel_v, True), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, _native_dense(q, sel_k, sel_v, True), **F64)
     full = read(q, k, v, 1)                                                 # the full layer: the same selection
     virtual = torch.arange(len(kept))
     s = _logits(_rot(q[0], virtual[-N_Q:]), _rot(sel_k[0], virtual))
     want = torch.einsum("hrj,jhd->rhd", torch.softmax(s, -1), _values(sel_v[0]))[None]
-    torch.testing.assert_close(full, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(full, want, **F64)
 
 
 def test_every_built_policy_has_a_sliding_rule(qkv):
