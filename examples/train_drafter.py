@@ -72,7 +72,8 @@ def drafter_config(target_config, args) -> dict:
 
 def _rope(x, pos, inv_freq):
     # x [B, T, H, d], pos [B, T] -> rotate-half RoPE at those positions
-    angle = pos[..., None].float() * inv_freq                                   # [B, T, d/2]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32        # float64: a checking run
+    angle = pos[..., None].to(work) * inv_freq.to(work)                         # [B, T, d/2]
     cos, sin = torch.cat([angle.cos()] * 2, -1)[:, :, None], torch.cat([angle.sin()] * 2, -1)[:, :, None]
     half = x.shape[-1] // 2
     return x * cos.to(x.dtype) + torch.cat([-x[..., half:], x[..., :half]], -1) * sin.to(x.dtype)
@@ -389,16 +390,25 @@ def check_loaded(path, target, tokenizer, rng, code, args) -> float:
     loaded = load_drafter(path, target).float()
     n = max(args.seq_len, 2 * args.block_size + 2)
     ids = torch.tensor([data.training_sample(rng, tokenizer, code, n, args.mix)], device=args.device)
-    out = target(ids, output_hidden_states=True)
-    features = loaded.features(out.hidden_states)
-    a = n - args.block_size - 1
-    state = loaded.new_state(n, ids.device, torch.float32)
-    loaded.append_context(state, features[:, :a])
-    inference = loaded.slot_logits(state, int(ids[0, a]),
-                                   lambda q, k, v, layer: plain_read(q, k, v, loaded.cfg.rope, "torch"))
-    training = block_logits(loaded, features, ids, torch.tensor([[a]], device=ids.device),
-                            torch.arange(n + args.block_size, device=ids.device)[None])
-    return float((inference - training[0, 0]).abs().max())
+    inference, training = slot_logits_both_ways(loaded, target, ids)
+    return float((inference - training).abs().max())
+
+
+@torch.no_grad()
+def slot_logits_both_ways(drafter: Drafter, target, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot logits ``[bs - 1, vocab]`` of the block anchored at ``len(ids) - bs - 1``, by the inference
+    path (context appended to the drafter's cache, the plain read) and by :func:`block_logits`, in the
+    drafter's dtype."""
+    n, bs = ids.shape[1], drafter.cfg.block_size
+    features = drafter.features(target(ids, output_hidden_states=True).hidden_states)
+    a = n - bs - 1
+    state = drafter.new_state(n, ids.device, drafter.fc.weight.dtype)
+    drafter.append_context(state, features[:, :a])
+    inference = drafter.slot_logits(state, int(ids[0, a]),
+                                    lambda q, k, v, layer: plain_read(q, k, v, drafter.cfg.rope, "torch"))
+    training = block_logits(drafter, features, ids, torch.tensor([[a]], device=ids.device),
+                            torch.arange(n + bs, device=ids.device)[None])
+    return inference, training[0, 0]
 
 
 if __name__ == "__main__":
