@@ -328,8 +328,6 @@ def _rewrite(path, **changes):
 @pytest.mark.parametrize("fmt, changes, error, words", [
     ("gemma4-dspark", dict(global_head_dim=None), ValueError, "has no 'global_head_dim'"),
     ("gemma4-dspark", dict(num_global_key_value_heads=None), ValueError, "has no 'num_global_key_value_heads'"),
-    ("gemma4-dspark", dict(hidden_size_per_layer_input=8), ValueError,
-     "hidden_size_per_layer_input=8 is not supported"),
     ("gemma4-dspark", dict(enable_moe_block=True), ValueError, "enable_moe_block=True is not supported"),
     ("gemma4-dspark", dict(hidden_activation="silu"), ValueError, "hidden_activation 'silu' is not supported"),
     ("gemma4-dspark", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}),
@@ -357,6 +355,24 @@ def test_a_drafter_that_does_not_fit_fails_naming_the_field(tmp_path, fmt, chang
     with pytest.raises(error) as info:
         spec.load_drafter(path, target)
     assert words in str(info.value)
+
+
+def test_gemma4_drafter_ignores_the_per_layer_input_fields_of_the_copied_target_config(tmp_path):
+    """DeepSpec's Gemma4DSparkModel config is a copy of the target's: a target with per-layer input
+    embeddings brings their sizes along, which the block never reads; it loads and drafts the same."""
+    target = make_target("gemma4", tmp_path / "t", vocab=SMALL_VOCAB)
+    plain = spec.load_drafter(make_drafter(tmp_path / "d", target, "gemma4-dspark"), target)
+    path = make_drafter(tmp_path / "e", target, "gemma4-dspark")
+    _rewrite(path, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
+    copied = spec.load_drafter(path, target)
+    assert copied.cfg.num_layers == plain.cfg.num_layers and copied.cfg.head_dim == plain.cfg.head_dim
+    prompt = torch.randint(0, SMALL_VOCAB - 1, (20,), generator=torch.Generator().manual_seed(4))[None]
+    a = spec.generate(target, plain, prompt, max_new_tokens=8, policy="dflash")
+    b = spec.generate(target, copied, prompt, max_new_tokens=8, policy="dflash")
+    assert torch.equal(a.sequences, b.sequences) and a.stats["per_sequence"][0]["accepted_per_round"] == \
+        b.stats["per_sequence"][0]["accepted_per_round"]
+    state_a, state_b = plain.state_dict(), copied.state_dict()
+    assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
 def test_sliding_layers_causality_and_window_fields(tmp_path):

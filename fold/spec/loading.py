@@ -209,10 +209,12 @@ def read_config(path: Path, target_config) -> DrafterConfig:
                   sample_from_anchor=deepspec, markov_rank=markov_rank, has_embeddings=deepspec,
                   layer_windows=windows, layer_causal=causal)
     if gemma:
-        for name in ("enable_moe_block", "hidden_size_per_layer_input"):
-            if config.get(name):
-                raise ValueError(f"{path}/config.json: {name}={config[name]!r} is not supported by "
-                                 "Gemma4DSparkModel (DeepSpec's block has neither)")
+        # DeepSpec builds this config from a copy of the target's, so fields of the target's own
+        # layers come along (hidden_size_per_layer_input, vocab_size_per_layer_input): the block
+        # reads neither, and they are ignored here as there. A MoE block would change the layers.
+        if config.get("enable_moe_block"):
+            raise ValueError(f"{path}/config.json: enable_moe_block={config['enable_moe_block']!r} is not supported "
+                             "by Gemma4DSparkModel (DeepSpec's block has no MoE)")
         act = config.get("hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"{path}/config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
