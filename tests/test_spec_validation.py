@@ -88,3 +88,42 @@ def test_autoregressive_tau_is_one(pair):
     target, _ = pair
     result = spec.autoregressive(target, IDS, max_new_tokens=5)
     assert result.tau == 1.0 and [s["committed_per_round"] for s in result.stats["per_sequence"]] == [[1] * 4] * 2
+
+
+def _other_target(**changes):
+    """A tiny Llama that differs from the pair's target (4 layers, hidden 64, vocabulary 97) in ``changes``."""
+    import transformers
+
+    from tests.spec_fixtures import target_config
+
+    config = target_config("llama")
+    for name, value in changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(num_hidden_layers=2), "target_layer_ids [2] out of range for a target of 2 layers"),
+    (dict(hidden_size=32), "drafter hidden_size=64 != target hidden_size=32"),
+    (dict(vocab_size=95), "drafter vocab_size=97 != target vocab_size=95"),
+])
+def test_a_drafter_loaded_for_another_target_is_refused_before_any_work(pair, monkeypatch, changes, words):
+    _, drafter = pair                                 # taps layers 0 and 2 of a 4-layer target
+    other = _other_target(**changes)
+    calls = []
+    monkeypatch.setattr(other, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError) as info:
+        spec.generate(other, drafter, IDS, max_new_tokens=4, window=8)
+    assert str(info.value) == f"the drafter does not fit this target (loaded for another?): {words}" + (
+        " (output-of-layer ids in [-1, 0]; the last layer is never tapped)" if "layers" in words else "")
+    assert not calls
+
+
+def test_a_glide_drafter_loaded_for_another_target_is_refused(pair, tmp_path):
+    from tests.spec_fixtures import make_glide
+
+    target, _ = pair
+    glide = spec.load_drafter(make_glide(tmp_path / "g", target), target)
+    with pytest.raises(ValueError, match=r"must match the target's \(4, 16\); got \(2, 16\)"):
+        spec.generate(_other_target(num_key_value_heads=4), glide, IDS, max_new_tokens=4)

@@ -23,6 +23,7 @@ import torch
 
 from fold.spec import _hf
 from fold.spec.drafter import Drafter
+from fold.spec.loading import check_fits
 from fold.spec.policies import Read, make_read
 from fold.spec.glide import glide_tree
 from fold.spec.tree import tree_round, verify_tree
@@ -268,6 +269,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
     if not (glide or isinstance(drafter, Drafter)):
         raise TypeError(f"drafter must come from fold.spec.load_drafter (a block drafter or GLIDE), "
                         f"got {type(drafter).__name__}")
+    check_fits(drafter.cfg, target.config, "the drafter does not fit this target (loaded for another?): ")
     if glide:
         if policy not in (None, "dflash") or policy_options:
             raise ValueError("a GLIDE drafter reads the target's cache by cross-attention at true positions; "

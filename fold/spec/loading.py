@@ -246,17 +246,30 @@ def read_config(path: Path, target_config) -> DrafterConfig:
     return cfg
 
 
-def _validate_against_target(cfg: DrafterConfig, target_config, path: Path) -> None:
+def check_fits(cfg, target_config, where: str) -> None:
+    """Raise ``ValueError``, prefixed by ``where``, unless a drafter's config (``DrafterConfig`` or
+    GLIDE's) fits ``target_config``: hidden size and vocabulary, then the tapped layers (a block
+    drafter) or the key/value geometry of the cache it cross-attends (GLIDE). Each message names the
+    drafter's value and the target's."""
     if cfg.hidden_size != target_config.hidden_size:
-        raise ValueError(f"{path}: drafter hidden_size={cfg.hidden_size} != target hidden_size="
+        raise ValueError(f"{where}drafter hidden_size={cfg.hidden_size} != target hidden_size="
                          f"{target_config.hidden_size}")
     if cfg.vocab_size != target_config.vocab_size:
-        raise ValueError(f"{path}: drafter vocab_size={cfg.vocab_size} != target vocab_size={target_config.vocab_size}")
-    last = target_config.num_hidden_layers - 1
-    bad = [i for i in cfg.target_layer_ids if not -1 <= i < last]
-    if bad:
-        raise ValueError(f"{path}: target_layer_ids {bad} out of range for a target of {last + 1} layers "
-                         f"(output-of-layer ids in [-1, {last - 1}]; the last layer is never tapped)")
+        raise ValueError(f"{where}drafter vocab_size={cfg.vocab_size} != target vocab_size={target_config.vocab_size}")
+    ids = getattr(cfg, "target_layer_ids", None)
+    if ids is not None:
+        last = target_config.num_hidden_layers - 1
+        bad = [i for i in ids if not -1 <= i < last]
+        if bad:
+            raise ValueError(f"{where}target_layer_ids {bad} out of range for a target of {last + 1} layers "
+                             f"(output-of-layer ids in [-1, {last - 1}]; the last layer is never tapped)")
+        return
+    heads_kv = getattr(target_config, "num_key_value_heads", target_config.num_attention_heads)
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    if (cfg.heads_kv, cfg.head_dim) != (heads_kv, head_dim):
+        raise ValueError(f"{where}GLIDE cross-attention reads the target's KV cache, so num_key_value_heads and "
+                         f"head_dim must match the target's ({heads_kv}, {head_dim}); "
+                         f"got ({cfg.heads_kv}, {cfg.head_dim})")
 
 
 def _load_file(file: Path) -> dict[str, torch.Tensor]:
@@ -334,16 +347,7 @@ def load_glide(path: Path, config: dict, target):
     if types != ["full_attention"]:
         raise ValueError(f"{path}: a GLIDE drafter cross-attends the target's last-layer KV cache at true positions; "
                          f"targets with {types} layers (sliding-window or linear attention) are not supported")
-    target_heads_kv = getattr(tc, "num_key_value_heads", tc.num_attention_heads)
-    target_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    if cfg.hidden_size != tc.hidden_size:
-        raise ValueError(f"{path}: drafter hidden_size={cfg.hidden_size} != target hidden_size={tc.hidden_size}")
-    if cfg.vocab_size != tc.vocab_size:
-        raise ValueError(f"{path}: drafter vocab_size={cfg.vocab_size} != target vocab_size={tc.vocab_size}")
-    if (heads_kv, head_dim) != (target_heads_kv, target_head_dim):
-        raise ValueError(f"{path}: GLIDE cross-attention reads the target's KV cache, so num_key_value_heads and "
-                         f"head_dim must match the target's ({target_heads_kv}, {target_head_dim}); "
-                         f"got ({heads_kv}, {head_dim})")
+    check_fits(cfg, tc, f"{path}: ")
     drafter = GlideDrafter(cfg)
     state = {k: v for k, v in _load_weights(path).items() if not k.startswith("cross_attn.rotary")}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
@@ -383,7 +387,7 @@ def load_drafter(path, target):
     if _is_glide(path, raw):
         return load_glide(path, raw, target)
     cfg = read_config(path, target.config)
-    _validate_against_target(cfg, target.config, path)
+    check_fits(cfg, target.config, f"{path}: ")
     drafter = Drafter(cfg)
     state = _load_weights(path)
     state = {k: v for k, v in state.items() if not k.startswith("confidence_head.")}
