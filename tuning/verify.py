@@ -17,28 +17,30 @@ import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig, config_space
 from fold.spec.tree import tree_mask
-from reference import apply_rope, fold_attention_ref, tree_attention_ref
+from reference import fold_attention_ref, tree_attention_ref
 from reference.tolerance import check_close
+from tuning.workloads import DrafterShape, make_inputs
 
 
 def make_case(*, n_q=10, group=4, heads_kv=2, head_dim=128, lengths=(3000, 1234), window=64, alpha=2.0,
               dtype=torch.bfloat16, keys_rotated=False, device="cpu", seed=0):
-    """A varlen batch with NaN padding, in ``dtype`` on ``device``; returns (inputs, kwargs)."""
-    g = torch.Generator().manual_seed(seed)
-    batch, max_len = len(lengths), max(lengths)
-    rope = fold.Rope.from_theta(10000.0, head_dim, rotary_dim=head_dim // 2 if seed % 2 else head_dim)
-    q = torch.randn(batch, n_q, heads_kv * group, head_dim, generator=g, dtype=torch.float64)
-    k = torch.randn(batch, max_len, heads_kv, head_dim, generator=g, dtype=torch.float64)
-    v = torch.randn(batch, max_len, heads_kv, head_dim, generator=g, dtype=torch.float64)
-    if keys_rotated:
-        k = apply_rope(k, torch.arange(max_len)[None, :, None], rope.inv_freq, rotary_dim=rope.rotary_dim)
-    for b, length in enumerate(lengths):
-        k[b, length:] = float("nan")
-        v[b, length:] = float("nan")
-    q, k, v = (x.to(device, dtype) for x in (q, k, v))
-    kwargs = dict(window=window, rope=rope, alpha=alpha, keys_rotated=keys_rotated,
+    """A varlen batch with NaN padding, in ``dtype`` on ``device``; returns (inputs, kwargs). The
+    inputs are the benchmarks' (:func:`tuning.workloads.make_inputs`); odd seeds use partial RoPE."""
+    shape = DrafterShape("verify", n_q=n_q, heads_q=heads_kv * group, heads_kv=heads_kv, head_dim=head_dim,
+                         window=window, rope_theta=10000.0, rotary_dim=head_dim // 2 if seed % 2 else head_dim)
+    x = make_inputs(shape, max(lengths), batch=len(lengths), dtype=dtype, device=device, keys_rotated=keys_rotated,
+                    alpha=alpha, seed=seed)
+    k, v = _nan_padded(x["k"], lengths), _nan_padded(x["v"], lengths)
+    kwargs = dict(window=window, rope=x["rope"], alpha=alpha, keys_rotated=keys_rotated,
                   cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device))
-    return (q, k, v), kwargs
+    return (x["q"], k, v), kwargs
+
+
+def _nan_padded(cache, lengths):
+    # entries past each sequence's length are NaN: a kernel that reads one spoils its output
+    for b, length in enumerate(lengths):
+        cache[b, length:] = float("nan")
+    return cache
 
 
 def expected(case):
@@ -69,9 +71,7 @@ def make_tree_case(*, n_tree=16, group=4, heads_kv=2, head_dim=128, lengths=(300
     q = torch.randn(batch, n_tree, heads_q, head_dim, generator=g)
     kc, vc = (torch.randn(batch, max_len, heads_kv, head_dim, generator=g) for _ in range(2))
     kt, vt = (torch.randn(batch, n_tree, heads_kv, head_dim, generator=g) for _ in range(2))
-    for b, length in enumerate(lengths):
-        kc[b, length:] = float("nan")
-        vc[b, length:] = float("nan")
+    kc, vc = _nan_padded(kc, lengths), _nan_padded(vc, lengths)
     parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n_tree)] for _ in range(batch)]
     mask = torch.stack([tree_mask(p) for p in parents])
     tensors = tuple(x.to(device, dtype) for x in (q, kc, vc, kt, vt)) + (mask.to(device),)

@@ -35,6 +35,7 @@ class DrafterShape:
     head_dim: int = 128
     window: int = 2048
     rope_theta: float = 500000.0
+    rotary_dim: int | None = None       # partial RoPE; default head_dim
 
 
 DRAFTERS = {
@@ -59,7 +60,7 @@ def make_inputs(shape: DrafterShape, length: int, *, batch: int = 1, dtype=torch
     ``window``, ``alpha``, ``keys_rotated``.
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
-    rope = fold.Rope.from_theta(shape.rope_theta, shape.head_dim)
+    rope = fold.Rope.from_theta(shape.rope_theta, shape.head_dim, rotary_dim=shape.rotary_dim)
     q = torch.randn(batch, shape.n_q, shape.heads_q, shape.head_dim, generator=g).to(device, dtype)
     k = torch.randn(batch, length, shape.heads_kv, shape.head_dim, generator=g).to(device, dtype)
     v = torch.randn(batch, length, shape.heads_kv, shape.head_dim, generator=g).to(device, dtype)
