@@ -29,13 +29,15 @@ def _cast(x, upcast):
 
 
 def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
-                       queries_rotated=False, softmax_scale=None, upcast=True):
+                       queries_rotated=False, softmax_scale=None, far_position="shared", upcast=True):
     """Reference FOLD attention.
 
     q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block (``R_{n+r} q`` with
           ``queries_rotated``)
     k, v: [batch, max_len, heads_kv, head_dim]; the first ``cache_seqlens[b]`` entries are valid
     rope: any object with ``inv_freq``, ``rotary_dim``, ``interleaved``, ``attention_factor``
+    far_position: ``"shared"`` reads row r's far memory at distance ``D + r``; ``"fixed_distance"``
+        (ReRoPE's rule) at distance ``D`` from every row
     upcast: compute in float64 (the truth); ``False`` computes in the inputs' dtype, which is how
         large an error PyTorch itself makes in that dtype.
 
@@ -65,7 +67,7 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         k_window = apply_rope(kb, j[:, None], inv_freq, **rot)
         k_far = apply_rope(kb, torch.zeros_like(j)[:, None], inv_freq, **rot)
         q_window = apply_rope(qb, (n + r)[:, None], inv_freq, **rot)
-        q_far = apply_rope(qb, (d_pos + r)[:, None], inv_freq, **rot)
+        q_far = apply_rope(qb, (d_pos + r if far_position == "shared" else d_pos + 0 * r)[:, None], inv_freq, **rot)
         s_window = torch.einsum("rhd,jhd->hrj", q_window, k_window) * scale     # [Hq, n_q, L]
         s_far = torch.einsum("rhd,jhd->hrj", q_far, k_far) * scale
         in_window = ((n + r)[:, None] - j[None, :]) < d_pos                     # [n_q, L]

@@ -25,6 +25,7 @@ class Case:
     alpha: float = 2.0
     keys_rotated: bool = False
     queries_rotated: bool = False
+    far_position: str = "shared"
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -67,7 +68,7 @@ def make_inputs(case: Case, pad=float("nan")):
 
 def kwargs_of(case: Case, seqlens):
     return dict(window=case.window, rope=rope_of(case), alpha=case.alpha, cache_seqlens=seqlens,
-                keys_rotated=case.keys_rotated, queries_rotated=case.queries_rotated)
+                keys_rotated=case.keys_rotated, queries_rotated=case.queries_rotated, far_position=case.far_position)
 
 
 def reference_pair(case: Case, q, k, v, seqlens):

@@ -32,7 +32,8 @@ def cases(draw, dtypes, max_len_cap=2500):
         head_dim=head_dim, rotary_dim=rotary_dim, interleaved=draw(st.booleans()),
         attention_factor=draw(st.sampled_from([1.0, 1.0, 1.25])), max_len=max_len, seqlens=seqlens,
         window=window, alpha=draw(st.floats(1.0, 8.0)), keys_rotated=draw(st.booleans()),
-        queries_rotated=draw(st.booleans()), dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
+        queries_rotated=draw(st.booleans()), far_position=draw(st.sampled_from(["shared", "fixed_distance"])),
+        dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
     )
 
 
@@ -102,9 +103,9 @@ def test_window_covering_everything_is_plain_rope_attention(backend, keys_rotate
 def test_alpha_one_is_one_softmax_over_position_mapped_logits(backend, keys_rotated, far_position):
     """alpha = 1: far entries are ordinary entries at the shared virtual position n - D (FOLD), or at
     p - D for row p (``far_position="fixed_distance"``, ReRoPE's rule)."""
-    case = PROPERTY_CASE.with_(alpha=1.0, keys_rotated=keys_rotated)
+    case = PROPERTY_CASE.with_(alpha=1.0, keys_rotated=keys_rotated, far_position=far_position)
     q, k, v, seqlens = make_inputs(case)
-    out = fold.attention(q, k, v, **kwargs_of(case, seqlens), far_position=far_position, backend=backend)
+    out = fold.attention(q, k, v, **kwargs_of(case, seqlens), backend=backend)
     if keys_rotated:                                                          # the same keys, unrotated
         _, k, _, _ = make_inputs(case.with_(keys_rotated=False))
     rope = rope_of(case)
@@ -139,14 +140,15 @@ def test_key_layouts_agree(backend):
 def test_query_layouts_agree(backend, keys_rotated, far_position):
     """Queries rotated at their true positions (as engines hand them over) give the read of the
     unrotated queries, window and far memory alike, with a YaRN-style factor on both."""
-    case = PROPERTY_CASE.with_(attention_factor=1.25, keys_rotated=keys_rotated, seqlens=(200, 23))
+    case = PROPERTY_CASE.with_(attention_factor=1.25, keys_rotated=keys_rotated, seqlens=(200, 23),
+                               far_position=far_position)
     q, k, v, seqlens = make_inputs(case)
     q_rot, _, _, _ = make_inputs(case.with_(queries_rotated=True))
     assert not torch.allclose(q, q_rot)
     rotated, lse = fold.attention(q_rot, k, v, **kwargs_of(case.with_(queries_rotated=True), seqlens),
-                                  far_position=far_position, return_lse=True, backend=backend)
+                                  return_lse=True, backend=backend)
     truth, lse_truth = (x.to(torch.float64) for x in fold.attention(
-        q, k, v, **kwargs_of(case, seqlens), far_position=far_position, return_lse=True, backend=backend))
+        q, k, v, **kwargs_of(case, seqlens), return_lse=True, backend=backend))
     assert_close("rotated vs unrotated queries", rotated, truth, truth, case.dtype)
     assert_close("lse", lse, lse_truth, lse_truth, case.dtype)
 
