@@ -167,11 +167,13 @@ def test_compiled_tree_attention_and_paged_read():
 
 
 def test_the_ops_are_registered_custom_ops():
+    import fold._ops  # noqa: F401  (registered on import; fold.attention imports it at its first call)
+
     assert hasattr(torch.ops.fold, "attention") and hasattr(torch.ops.fold, "tree_attention")
     q, k, v, seqlens = make_inputs(CASE, pad=0.0)
     torch.library.opcheck(torch.ops.fold.attention.default,
                           (q, k, v, fold.Rope.from_theta(10000.0, 16).inv_freq, seqlens.int(), None, 8, 2.0, 0.25, 16,
-                           False, 1.0, False, True, "torch"))
+                           False, 1.0, False, True, False, "torch"))
 
 
 def test_a_paged_read_is_configured_for_the_tables_reach(monkeypatch):

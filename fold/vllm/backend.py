@@ -16,6 +16,11 @@ Reads (the drafter config's ``fold`` block, :mod:`fold.vllm.config`):
 - ``window``: FOLD's window alone (row ``r`` sees ``j > n + r - D``), the ``W + 2 n_q`` newest
   entries gathered from the pages and read in one masked softmax.
 
+Sliding-window drafter layers follow the paper's per-layer rules as ``fold.spec`` applies them
+(:meth:`FoldAttentionImpl.attend_sliding`: the native window plus, for ``fold`` and ``rerope``, every
+older entry as far memory), on the sequence gathered from the pages and un-rotated: correct on
+any device, O(length) per call, not a kernel.
+
 Attention sinks (``attention_sink_bias``) join as one more segment: a state of logit ``sink`` and
 value 0, merged by mass. On CUDA the Triton kernels serve the ``fold`` and ``rerope`` reads; the
 builder declares no CUDA-graph support, so these layers run eagerly.
@@ -122,14 +127,15 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
     vLLM rotates its queries and keys), ``sinks`` ([num_heads] logits or None)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, *, read: ServeRead,
-                 rope: fold.Rope, sinks: torch.Tensor | None = None, kv_cache_dtype: str = "auto"):
+                 rope: fold.Rope, sinks: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
+                 sliding_window: int | None = None, causal: bool = False):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = None
         self.attn_type = AttentionType.DECODER
-        self.sliding_window = None
         self.read, self.rope, self.sinks = read, rope, sinks
+        self.sliding_window, self.causal = sliding_window, causal
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: FoldMetadata | None, output,
                 output_scale=None, output_block_scale=None):
@@ -139,9 +145,9 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
             raise NotImplementedError("fold's vLLM backend has no fused output quantization")
         if attn_metadata is None:                                            # profiling / warm-up
             return output
-        if attn_metadata.causal:
-            raise ValueError("fold's vLLM backend reads a bidirectional draft block; this batch asks for causal "
-                             "attention (a causal drafter layer is not covered)")
+        if attn_metadata.causal and self.sliding_window is None:
+            raise ValueError("fold's vLLM backend reads a bidirectional draft block on full-attention layers; this "
+                             "batch asks for causal attention")
         meta, tokens = attn_metadata, attn_metadata.num_actual_tokens
         k_pages, v_pages = cache_pages(kv_cache, self.head_size)
         q, out = query[:tokens], output[:tokens]
@@ -162,6 +168,9 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
     def attend(self, q, k_pages, v_pages, seq_lens, block_table) -> torch.Tensor:
         """``q [batch, n_q, num_heads, head_size]`` over the pages -> ``[batch, n_q, num_heads, head_size]``."""
         read = self.read
+        if self.sliding_window is not None:
+            return torch.cat([self.attend_sliding(q[b:b + 1], k_pages, v_pages, int(length), block_table[b])
+                              for b, length in enumerate(seq_lens.tolist())])
         if read.read == "window":
             o, lse = window_state(q, k_pages, v_pages, seq_lens, block_table, window=read.window, scale=self.scale)
         else:
@@ -176,6 +185,30 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
             total = torch.logaddexp(lse, self.sinks.to(lse.dtype)[None, None, :])
             o = (o.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(q.dtype)
         return o
+
+    def attend_sliding(self, q, k_pages, v_pages, length: int, table) -> torch.Tensor:
+        """A sliding-window layer, one sequence (``q [1, n_q, Hq, d]``), by fold.spec's per-layer rules
+        (paper Appendix B.3): ``fold`` keeps the native window and reads every older entry as far memory,
+        ``rerope`` the same at distance ``D``, ``window`` is the native read. The sequence's entries are
+        gathered from the pages and un-rotated (those rules take pre-RoPE keys): O(length) per call."""
+        from fold.rope import rotate
+        from fold.spec import policies
+
+        n_q = q.shape[1]
+        j = torch.arange(length, device=q.device)
+        pages, offsets = table[j // k_pages.shape[1]].long(), j % k_pages.shape[1]
+        undo = 1.0 / self.rope.attention_factor
+        k = rotate(k_pages[pages, offsets].transpose(0, 1), -j, self.rope, factor=undo).transpose(0, 1)[None]
+        v = v_pages[pages, offsets][None]
+        q = rotate(q[0].transpose(0, 1), -j[length - n_q:], self.rope, factor=undo).transpose(0, 1)[None]
+        kw = dict(rope=self.rope, sliding_window=self.sliding_window, causal=self.causal)
+        if self.read.read == "window":
+            return policies.sliding_state(q, k, v, **kw)[0]
+        if self.read.read == "rerope":
+            return policies.rerope_sliding_read(q, k, v, **kw, window=self.read.window,
+                                                training_length=self.read.training_length, backend="torch")
+        return policies.fold_sliding_read(q, k, v, **kw, window=self.read.window, alpha=self.read.alpha,
+                                          backend="torch")
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Write ``key, value [num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` (slot =

@@ -39,7 +39,8 @@ def rope_of(rotary_emb) -> fold.Rope:
 
 def install(model: torch.nn.Module, vllm_config) -> int:
     """Serve ``model``'s drafter attention layers by fold if its config asks; returns how many layers.
-    A read fold cannot give a layer (sliding window, causal block) is a ``ValueError`` naming the layer."""
+    A layer fold cannot serve (a causal full-attention layer; a sliding one with sinks) is a
+    ``ValueError`` naming the layer."""
     hf_config = vllm_config.speculative_config.draft_model_config.hf_config
     read = read_of(hf_config)
     if not read.active:
@@ -49,20 +50,24 @@ def install(model: torch.nn.Module, vllm_config) -> int:
     if not layers:
         raise ValueError(f"fold: found no attention layer with a rotary embedding in {type(model).__name__}")
     for name, module in layers:
-        attn = module.attn
-        sliding = getattr(module, "sliding_window", None)
-        if sliding is not None:
-            raise ValueError(f"fold: drafter layer {name} is a sliding-window layer (window {sliding}); fold's vLLM "
-                             "backend serves full-attention layers only (use fold.spec for sliding drafters)")
-        if getattr(module, "causal", False):
-            raise ValueError(f"fold: drafter layer {name} is causal; fold's read takes a bidirectional draft block")
-        impl = attn.impl
+        attn, impl = module.attn, module.attn.impl
+        sliding, causal = getattr(module, "sliding_window", None), bool(getattr(module, "causal", False))
         sinks = getattr(module, "attention_sink_bias", None)
+        if sliding is None and causal:
+            raise ValueError(f"fold: drafter layer {name} is a causal full-attention layer; fold's read takes a "
+                             "bidirectional draft block")
+        if sliding is not None and (sinks is not None or abs(impl.scale * impl.head_size ** 0.5 - 1) > 1e-6):
+            raise ValueError(f"fold: drafter layer {name} is a sliding-window layer with attention sinks or a "
+                             "softmax scale other than head_size ** -0.5, which fold's sliding rules do not take")
         attn.impl = FoldAttentionImpl(impl.num_heads, impl.head_size, impl.scale, impl.num_kv_heads, read=read,
                                       rope=rope_of(module.rotary_emb), sinks=sinks,
-                                      kv_cache_dtype=getattr(attn, "kv_cache_dtype", "auto"))
+                                      kv_cache_dtype=getattr(attn, "kv_cache_dtype", "auto"),
+                                      sliding_window=sliding, causal=causal)
         attn.attn_backend = FoldAttentionBackend
         attn.backend = compat.AttentionBackendEnum[NAME]
+        # vLLM frees a sliding layer's pages once they leave its window; FOLD reads them as far memory,
+        # so the layer asks for a full-attention cache (its read still applies the window)
+        attn.sliding_window = None
     return len(layers)
 
 

@@ -25,11 +25,12 @@ MAX_TOKENS = [40, 24, 32, 12]                       # unequal: requests finish w
 LATER = [[4 + (13 * i) % 230 for i in range(190)], list(range(20, 90))]   # a second batch on freed pages
 
 
-def _engine(target, drafter=None, **kw):
+def _engine(target, drafter=None, blocks=48):
+    """An engine with a small cache (``blocks`` pages of 32 entries), so freed pages get reused."""
     spec = None if drafter is None else {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
     return LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True, skip_tokenizer_init=True,
-               seed=0, speculative_config=spec, disable_log_stats=False, block_size=32, num_gpu_blocks_override=48,
-               **kw)
+               seed=0, speculative_config=spec, disable_log_stats=False, block_size=32,
+               num_gpu_blocks_override=blocks)
 
 
 def _generate(llm, prompts, max_tokens):
@@ -84,9 +85,10 @@ def _keep_attention(impl, args, kwargs, output):
         j = torch.arange(length)
         pages = meta.block_table[b, j // page].long()
         dense[0, b, :length], dense[1, b, :length] = k_pages[pages, j % page], v_pages[pages, j % page]
-    used = {int(p) for b, length in enumerate(seq_lens) for p in meta.block_table[b, :-(-length // page)]}
+    tables = [meta.block_table[b, :-(-length // page)].tolist() for b, length in enumerate(seq_lens)]
+    used = {p for table in tables for p in table}
     return dict(layer=bound["layer"].layer_name, read=impl.read, rope=impl.rope, scale=impl.scale, uniform=meta.uniform, n_q=meta.max_query_len,
-                q=query[:tokens].clone(), k=dense[0], v=dense[1], seq_lens=seq_lens, pages=used,
+                q=query[:tokens].clone(), k=dense[0], v=dense[1], seq_lens=seq_lens, pages=used, tables=tables,
                 out=output[:tokens].clone())
 
 
@@ -200,6 +202,57 @@ def test_every_drafter_attention_output_equals_the_reference(small_window):
     truth = _window_truth if small_window["block"]["read"] == "window" else _fold_truth
     for i, call in enumerate(drafting):
         check_close(f"call {i} out", call["out"], truth(call, True), truth(call, False), torch.float32)
+
+
+SLIDING = 16               # the sliding drafter's window (every layer: dflash_config.use_swa)
+
+
+@pytest.fixture(scope="module", params=["fold", "window"])
+def sliding(request, pairs):
+    """A drafter whose layers are all sliding-window layers (non-causal, MiMo-style ``use_swa``)."""
+    drafter = make_drafter(pairs["root"] / "drafter-swa", config_overrides=dict(dflash_config=dict(
+        block_size=4, target_layer_ids=[0, 2], mask_token_id=255, use_swa=True, swa_window_size=SLIDING)))
+    block = dict(read="fold", window=SMALL_W, alpha=2.0) if request.param == "fold" else dict(read="window", window=0)
+    llm = _engine(pairs["plain"], fold.vllm.configure(drafter, pairs["root"] / f"drafter-swa-{request.param}",
+                                                       **block), blocks=128)  # a second cache group: the sliding one
+    out, calls, _, _ = _run_recorded(llm, PROMPTS, MAX_TOKENS)
+    del llm
+    gc.collect()
+    return dict(read=request.param, out=out, calls=calls)
+
+
+def _sliding_truth(call, upcast):
+    """fold.spec's sliding-layer rule on the same cache, un-rotated densely, one sequence at a time."""
+    from fold.spec import policies
+    from reference import apply_rope
+
+    dtype = torch.float64 if upcast else torch.float32
+    rope, n_q = call["rope"], call["n_q"]
+    rot = dict(rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, attention_factor=rope.attention_factor)
+    q = call["q"].view(-1, n_q, *call["q"].shape[1:])
+    outs = []
+    for b, length in enumerate(call["seq_lens"]):
+        j = torch.arange(length)
+        k = apply_rope(call["k"][b, :length].to(dtype), j[:, None], rope.inv_freq, inverse=True, **rot)[None]
+        qb = apply_rope(q[b].to(dtype), j[-n_q:, None], rope.inv_freq, inverse=True, **rot)[None]
+        v = call["v"][b, :length].to(dtype)[None]
+        kw = dict(rope=rope, sliding_window=SLIDING, causal=False)
+        if call["read"].read == "window":
+            outs.append(policies.sliding_state(qb, k, v, **kw)[0][0])
+        else:
+            outs.append(policies.fold_sliding_read(qb, k, v, **kw, window=SMALL_W, alpha=2.0, backend="torch")[0])
+    return torch.cat(outs)
+
+
+def test_sliding_layers_follow_the_per_layer_rules(sliding, target_greedy):
+    assert sliding["out"] == target_greedy[0]
+    drafting = [c for c in sliding["calls"] if c["uniform"] and c["n_q"] == K + 1]
+    assert len(drafting) >= 20 and any(min(c["seq_lens"]) > SLIDING + K + 1 for c in drafting)
+    for i, call in enumerate(drafting):
+        for table in call["tables"]:     # the far memory is kept: no page freed (vLLM's null page) as out of window
+            assert len(set(table)) == len(table), f"call {i}: pages {table}"
+        check_close(f"call {i} out", call["out"], _sliding_truth(call, True), _sliding_truth(call, False),
+                    torch.float32)
 
 
 def test_pages_are_reused_after_requests_end(small_window):
