@@ -39,34 +39,41 @@ def make_target(path, seed=0, pull=0.0):
     return path
 
 
-def make_drafter(path, *, layers=2, heads=(4, 2), seed=0, scale=0.3, fold=None, config_overrides=None):
+def make_drafter(path, *, layers=2, heads=(4, 2), seed=0, scale=0.3, sinks=False, fold=None, config_overrides=None,
+                 hidden=HIDDEN, vocab=VOCAB, taps=TAPS, mask_id=MASK_ID, target_layers=TARGET_LAYERS):
     """A z-lab DFlash directory (``DFlashDraftModel``, no embedding / LM head: the target's are used);
-    ``fold``: the ``fold`` block of its config.json."""
+    ``sinks``: per-head attention sink logits (``dflash_config.attention_sink_bias``);
+    ``fold``: the ``fold`` block of its config.json. The geometry defaults to this module's tiny target;
+    ``hidden``, ``vocab``, ``taps``, ``mask_id``, ``target_layers`` fit it to another (a random drafter
+    for a real target, to measure costs)."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     heads_q, heads_kv = heads
     w = lambda *s: torch.randn(*s, generator=gen) * scale  # noqa: E731
-    state = {"fc.weight": w(HIDDEN, len(TAPS) * HIDDEN), "hidden_norm.weight": torch.ones(HIDDEN),
-             "norm.weight": torch.ones(HIDDEN)}
+    state = {"fc.weight": w(hidden, len(taps) * hidden), "hidden_norm.weight": torch.ones(hidden),
+             "norm.weight": torch.ones(hidden)}
     for i in range(layers):
         p = f"layers.{i}."
         state.update({
-            p + "self_attn.q_proj.weight": w(heads_q * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": w(heads_kv * HEAD_DIM, HIDDEN),
-            p + "self_attn.v_proj.weight": w(heads_kv * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": w(HIDDEN, heads_q * HEAD_DIM),
+            p + "self_attn.q_proj.weight": w(heads_q * HEAD_DIM, hidden),
+            p + "self_attn.k_proj.weight": w(heads_kv * HEAD_DIM, hidden),
+            p + "self_attn.v_proj.weight": w(heads_kv * HEAD_DIM, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads_q * HEAD_DIM),
             p + "self_attn.q_norm.weight": torch.ones(HEAD_DIM),
             p + "self_attn.k_norm.weight": torch.ones(HEAD_DIM),
-            p + "mlp.gate_proj.weight": w(192, HIDDEN), p + "mlp.up_proj.weight": w(192, HIDDEN),
-            p + "mlp.down_proj.weight": w(HIDDEN, 192),
-            p + "input_layernorm.weight": torch.ones(HIDDEN), p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+            p + "mlp.gate_proj.weight": w(192, hidden), p + "mlp.up_proj.weight": w(192, hidden),
+            p + "mlp.down_proj.weight": w(hidden, 192),
+            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
         })
-    config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=HIDDEN, intermediate_size=192,
+        if sinks:
+            state[p + "self_attn.attention_sink_bias"] = torch.randn(heads_q, generator=gen) + 2.0
+    config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=hidden, intermediate_size=192,
                   num_hidden_layers=layers, num_attention_heads=heads_q, num_key_value_heads=heads_kv,
-                  head_dim=HEAD_DIM, rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu", vocab_size=VOCAB,
-                  max_position_embeddings=4096, num_target_layers=TARGET_LAYERS,
+                  head_dim=HEAD_DIM, rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu", vocab_size=vocab,
+                  max_position_embeddings=4096, num_target_layers=target_layers,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                  dflash_config=dict(block_size=4, target_layer_ids=list(TAPS), mask_token_id=MASK_ID))
+                  dflash_config=dict(block_size=4, target_layer_ids=list(taps), mask_token_id=mask_id,
+                                     attention_sink_bias=sinks))
     if fold is not None:
         config["fold"] = fold
     config.update(config_overrides or {})

@@ -87,7 +87,7 @@ def _keep_attention(impl, args, kwargs, output):
         dense[0, b, :length], dense[1, b, :length] = k_pages[pages, j % page], v_pages[pages, j % page]
     tables = [meta.block_table[b, :-(-length // page)].tolist() for b, length in enumerate(seq_lens)]
     used = {p for table in tables for p in table}
-    return dict(layer=bound["layer"].layer_name, read=impl.read, rope=impl.rope, scale=impl.scale, uniform=meta.uniform, n_q=meta.max_query_len,
+    return dict(layer=bound["layer"].layer_name, read=impl.read, rope=impl.rope, sinks=impl.sinks, scale=impl.scale, uniform=meta.uniform, n_q=meta.max_query_len,
                 q=query[:tokens].clone(), k=dense[0], v=dense[1], seq_lens=seq_lens, pages=used, tables=tables,
                 out=output[:tokens].clone())
 
@@ -299,6 +299,44 @@ def test_wide_window_attention_equals_the_stock_read(stock_and_wide):
         truth, twin = _fold_truth(ours, True), _fold_truth(ours, False)
         check_close(f"fold call {i}", ours["out"], truth, twin, torch.float32)
         check_close(f"stock call {i}", theirs["out"], truth, twin, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def sinks(pairs):
+    """A drafter with attention sinks: the stock CPU kernel takes them natively, fold merges them."""
+    drafter = make_drafter(pairs["root"] / "drafter-sinks", sinks=True)
+    runs = {}
+    for name, path in (("stock", drafter), ("wide", fold.vllm.configure(
+            drafter, pairs["root"] / "drafter-sinks-wide", read="fold", window=4096, alpha=2.0))):
+        llm = _engine(pairs["plain"], path)
+        runs[name] = _run_recorded(llm, PROMPTS[:2], MAX_TOKENS[:2])
+        del llm
+        gc.collect()
+    return runs
+
+
+def test_attention_sinks_match_the_stock_read(sinks):
+    """With sinks (one more entry per head: logit s_h, value 0), fold's output and the stock kernel's
+    lie within float32 error of the reference merged with the sink, call by call; drafts agree."""
+    (_, wide, wide_drafts, _), (_, _, stock_drafts, stock) = sinks["wide"], sinks["stock"]
+    assert all(torch.equal(a, b) for a, b in zip(wide_drafts, stock_drafts)) and len(wide_drafts) > 5
+    layers = {c["layer"] for c in wide}
+    stock = [c for c in stock if c["layer"] in layers]
+    assert len(stock) == len(wide) > 10
+    for i, (ours, theirs) in enumerate(zip(wide, stock)):
+        truth, twin = (_with_sink(ours, upcast) for upcast in (True, False))
+        check_close(f"fold call {i}", ours["out"], truth, twin, torch.float32)
+        check_close(f"stock call {i}", theirs["out"], truth, twin, torch.float32)
+
+
+def _with_sink(call, upcast):
+    read, n_q = call["read"], call["n_q"]
+    out, lse = fold_attention_ref(
+        call["q"].view(-1, n_q, *call["q"].shape[1:]), torch.nan_to_num(call["k"]), torch.nan_to_num(call["v"]),
+        window=read.window, rope=call["rope"], alpha=read.alpha, cache_seqlens=call["seq_lens"], keys_rotated=True,
+        queries_rotated=True, softmax_scale=call["scale"], upcast=upcast)
+    sink = call["sinks"].to(lse.dtype)
+    return (out * torch.exp(lse - torch.logaddexp(lse, sink))[..., None]).flatten(0, 1)
 
 
 def test_spec_metrics_count_the_recorded_drafts(stock_and_wide):
