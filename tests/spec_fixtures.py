@@ -173,10 +173,11 @@ def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2),
 @torch.no_grad()
 def greedy_ar(target, ids, max_new_tokens, eos=()):
     """The target's own greedy generation, one token per forward with its cache."""
-    logits, _, cache = _hf.forward(target, ids[None])
+    session = _hf.TargetSession(target)
+    logits, _ = session.forward(ids[None])
     new = [int(logits[0, -1].argmax())]
     while len(new) < max_new_tokens and new[-1] not in eos:
-        logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]]), cache, rollback=False)
+        logits, _ = session.forward(torch.tensor([[new[-1]]]), rollback=False)
         new.append(int(logits[0, -1].argmax()))
     return torch.cat([ids, torch.tensor(new)])
 

@@ -237,7 +237,9 @@ def test_cmr_target_weights_match_transformers_attention(tmp_path):
 
     target = make_target("qwen3", tmp_path / "t")
     ids = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(0))
-    _, hidden, cache = _hf.forward(target, ids)
+    session = _hf.TargetSession(target)
+    _, hidden = session.forward(ids)
+    cache = session.cache
     got = target_attention_weights(target, hidden, cache, committed=30, row=29)
     target.config._attn_implementation = "eager"
     want_lp = target(ids, output_attentions=True).attentions[-1][0, :, -1].mean(dim=0)      # float32

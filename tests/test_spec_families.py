@@ -65,12 +65,14 @@ def test_rollback_continues_exactly_for_every_layer_type(family, kept):
     drafts = torch.randint(0, SMALL_VOCAB - 1, (5,), generator=g)
     more = torch.randint(0, SMALL_VOCAB - 1, (3,), generator=g)
     with torch.no_grad():
-        _, _, cache = _hf.forward(target, prompt[None])
-        _hf.forward(target, drafts[None], cache)
-        _hf.crop(cache, len(prompt) + kept)
-        first, _, cache = _hf.forward(target, more[None, :2], cache)
-        _hf.crop(cache, len(prompt) + kept + 2)                       # everything accepted: nothing removed
-        second, _, cache = _hf.forward(target, more[None, 2:], cache)
+        session = _hf.TargetSession(target)
+        session.forward(prompt[None])
+        session.forward(drafts[None])
+        session.crop(len(prompt) + kept)
+        first, _ = session.forward(more[None, :2])
+        session.crop(len(prompt) + kept + 2)                          # everything accepted: nothing removed
+        second, _ = session.forward(more[None, 2:])
+        cache = session.cache
         ours = torch.cat([first[0], second[0]])
         fresh = _run(target, torch.cat([prompt, drafts[:kept], more])[None]).logits[0, -3:]
         out = _run(target, torch.cat([prompt, drafts[:kept]])[None], use_cache=True)     # transformers alone
@@ -92,15 +94,17 @@ def test_plain_decoding_records_nothing(family):
     states at the kernel, and copy no state; a verification after them records again."""
     _, target, prompts, _ = family
     with torch.no_grad():
-        _, _, cache = _hf.forward(target, prompts[0][None])
+        session = _hf.TargetSession(target)
+        session.forward(prompts[0][None])
+        cache = session.cache
         for token in range(2 * TARGET_WINDOW):
-            _hf.forward(target, torch.tensor([[token % (SMALL_VOCAB - 1)]]), cache, rollback=False)
+            session.forward(torch.tensor([[token % (SMALL_VOCAB - 1)]]), rollback=False)
             for layer in cache.layers:
                 if getattr(layer, "is_sliding", False):
                     assert layer.keys.shape[2] <= TARGET_WINDOW - 1
                 if hasattr(layer, "conv_states"):
                     assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0]
-        _hf.forward(target, torch.tensor([[1, 2, 3]]), cache)
+        session.forward(torch.tensor([[1, 2, 3]]))
         assert all(layer.record_past for layer in cache.layers if hasattr(layer, "record_past"))
 
 
@@ -155,10 +159,10 @@ def test_tree_nodes_see_their_window_and_ancestors(tmp_path):
     depths = [0, 1, 1, 2, 2, 2, 3, 3, 4]
     tokens = torch.randint(0, SMALL_VOCAB - 1, (len(parents),), generator=g).tolist()
     with torch.no_grad():
-        _, _, cache = _hf.forward(target, prompt[None])
-        with tree_verification(target, tree_mask(parents)[None], depths=torch.tensor(depths)):
-            logits, _, cache = _hf.forward(target, torch.tensor([tokens]), cache,
-                                           position_ids=torch.tensor([depths]) + len(prompt))
+        session = _hf.TargetSession(target)
+        session.forward(prompt[None])
+        with tree_verification(session, tree_mask(parents)[None], depths=torch.tensor(depths)):
+            logits, _ = session.forward(torch.tensor([tokens]), position_ids=torch.tensor([depths]) + len(prompt))
 
         def path(i):
             return path(parents[i]) + [tokens[i]] if i >= 0 else []
@@ -167,8 +171,8 @@ def test_tree_nodes_see_their_window_and_ancestors(tmp_path):
             full = _run(target, torch.cat([prompt, torch.tensor(path(i))])[None]).logits[0, -1]
             torch.testing.assert_close(logits[0, i], full, msg=f"node {i}")
         kept = [0, 2, 5]                                                 # root, node 2, node 5
-        _hf.keep_tree_path(cache, len(tokens), kept)
-        nxt, _, _ = _hf.forward(target, torch.tensor([[5]]), cache)
+        session.keep_tree_path(len(tokens), kept)
+        nxt, _ = session.forward(torch.tensor([[5]]))
         fresh = _run(target, torch.cat([prompt, torch.tensor([tokens[k] for k in kept] + [5])])[None]).logits[0, -1]
     torch.testing.assert_close(nxt[0, -1], fresh)
 
@@ -187,7 +191,9 @@ def test_cmr_target_weights_for_each_family(family):
         want[dtype] = attentions[-1][0, :, -1].mean(dim=0)                     # the last one is full in both
     target = _double(target)
     with torch.no_grad():
-        _, hidden, cache = _hf.forward(target, ids)
+        session = _hf.TargetSession(target)
+        _, hidden = session.forward(ids)
+        cache = session.cache
         got = target_attention_weights(target, hidden, cache, committed=ids.shape[1], row=ids.shape[1] - 1)
     assert got.dtype == torch.float32                                         # a float32 softmax of float64 logits
     check_close("CMR weights", got, want[torch.float64], want[torch.float32], torch.float32)

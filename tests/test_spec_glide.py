@@ -66,7 +66,9 @@ def test_glide_tree_nodes_see_exactly_their_ancestors(target, glide):
     glide.bind(target)
 
     prompt = torch.randint(0, 90, (14,), generator=torch.Generator().manual_seed(2))
-    _, _, cache = _hf.forward(target, prompt[None])
+    session = _hf.TargetSession(target)
+    session.forward(prompt[None])
+    cache = session.cache
     state = glide.new_state(64)
     root = glide.forward_tokens(state, prompt, cache)[-1]
     tokens, parents, depths, node_logits = glide_tree(glide, state, root, int(prompt[-1]), (3, 2, 2), cache)
@@ -98,7 +100,9 @@ def test_glide_drafts_change_with_its_context(target, glide):
     logits = []
     for prefix in ([5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 9, 10]):
         ids = torch.tensor(prefix)
-        _, _, cache = _hf.forward(target, ids[None])
+        session = _hf.TargetSession(target)
+        session.forward(ids[None])
+        cache = session.cache
         state = glide.new_state(16)
         logits.append(glide.forward_tokens(state, ids, cache)[-1])
     assert not torch.allclose(logits[0], logits[1])

@@ -58,3 +58,32 @@ def test_eos_stops_a_sequence_and_pads_it(target, drafter):
     want = greedy_ar(target, ids, 16, eos=(eos,))
     assert torch.equal(result.sequences[0, :len(want)], want)
     assert (result.sequences[0, len(want):] == eos).all()
+
+
+def test_shared_prefill_changes_no_token_and_runs_each_prompt_once(target, drafter):
+    """``prefill=spec.Prefills(target)``: the runs after the first start from a copy of the prompt's
+    cache (one prompt forward each), and every sequence and round is the one a fresh prefill gives."""
+    (p,) = _prompts([40])
+    ids = torch.stack([p, p])                                       # a repeated row
+    calls = []
+    hook = target.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    try:
+        shared = spec.Prefills(target)
+        runs = [spec.generate(target, drafter, ids, max_new_tokens=12, policy=p, prefill=shared, window=8)
+                for p in ("fold", "dflash")] + [spec.autoregressive(target, ids, max_new_tokens=12, prefill=shared)]
+    finally:
+        hook.remove()
+    assert sum(1 for n in calls if n == 40) == 1                    # one prompt forward for six sequences
+    fresh = [spec.generate(target, drafter, ids, max_new_tokens=12, policy=p, window=8) for p in ("fold", "dflash")]
+    fresh.append(spec.autoregressive(target, ids, max_new_tokens=12))
+    for got, want in zip(runs, fresh):
+        assert torch.equal(got.sequences, want.sequences)
+        assert [s["accepted_per_round"] for s in got.stats["per_sequence"]] == \
+            [s["accepted_per_round"] for s in want.stats["per_sequence"]]
+
+
+def test_shared_prefill_belongs_to_one_target(target, drafter):
+    with pytest.raises(ValueError, match="prefill must be a fold.spec.Prefills made for this target"):
+        spec.generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=2, prefill=spec.Prefills(object()))
+    with pytest.raises(ValueError, match="keep must be a positive int"):
+        spec.Prefills(target, keep=0)

@@ -25,7 +25,7 @@ def pair(tmp_path_factory):
 def _exact_marginals(target, prompt, steps):
     """P(x_t) of generated tokens t = 1..steps under the target at TEMPERATURE, by enumeration."""
     def dist(prefix):
-        logits, _, _ = _hf.forward(target, torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])[None])
+        logits, _ = _hf.TargetSession(target).forward(torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])[None])
         return torch.softmax(logits[0, -1].double() / TEMPERATURE, -1)
 
     marginals = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(steps)]

@@ -69,19 +69,20 @@ def test_tree_forward_gives_each_node_the_logits_of_its_own_path(target):
     parents = [-1, 0, 0, 1, 1, 2, 3, 3]
     tokens = torch.randint(0, 90, (len(parents),), generator=g).tolist()
     depths = [0, 1, 1, 2, 2, 2, 3, 3]
-    _, _, cache = _hf.forward(target, prompt[None])
-    with torch.no_grad(), tree_verification(target, tree_mask(parents)[None], len(prompt)):
-        logits, _, cache = _hf.forward(target, torch.tensor([tokens]), cache,
-                                       position_ids=torch.tensor([depths]) + len(prompt))
+    session = _hf.TargetSession(target)
+    session.forward(prompt[None])
+    with torch.no_grad(), tree_verification(session, tree_mask(parents)[None]):
+        logits, _ = session.forward(torch.tensor([tokens]), position_ids=torch.tensor([depths]) + len(prompt))
 
     def path(i):
         return path(parents[i]) + [tokens[i]] if i >= 0 else []
 
     for i in range(len(parents)):
-        full, _, _ = _hf.forward(target, torch.cat([prompt, torch.tensor(path(i))])[None])
+        full, _ = _hf.TargetSession(target).forward(torch.cat([prompt, torch.tensor(path(i))])[None])
         torch.testing.assert_close(logits[0, i], full[0, -1])
     kept = [0, 1, 4]                                                       # root, node 1, node 4
-    _hf.keep(cache, torch.cat([torch.arange(len(prompt)), len(prompt) + torch.tensor(kept)]))
-    nxt, _, _ = _hf.forward(target, torch.tensor([[5]]), cache)
-    fresh, _, _ = _hf.forward(target, torch.cat([prompt, torch.tensor([tokens[k] for k in kept] + [5])])[None])
+    session.keep_tree_path(len(tokens), kept)
+    nxt, _ = session.forward(torch.tensor([[5]]))
+    committed = torch.cat([prompt, torch.tensor([tokens[k] for k in kept] + [5])])
+    fresh, _ = _hf.TargetSession(target).forward(committed[None])
     torch.testing.assert_close(nxt[0, -1], fresh[0, -1])

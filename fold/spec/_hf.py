@@ -16,7 +16,8 @@ so each layer type of the target's cache must roll back exactly:
   every draft is accepted the state after the verification is already right and nothing is
   replayed. The cost per round is recorded in ``fold/spec/FAMILIES.md``.
 
-Tree verification keeps an arbitrary path: :func:`keep_tree_path` compacts full and sliding
+Everything that changes a sequence's cache goes through its :class:`TargetSession`. Tree
+verification keeps an arbitrary path: :meth:`TargetSession.keep_tree_path` compacts full and sliding
 layers; linear-attention targets are refused for trees (:func:`check_target`), since every tree
 node would need its own parent's recurrent state.
 """
@@ -24,9 +25,10 @@ node would need its own parent's recurrent state.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
 import functools
 import inspect
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -90,19 +92,15 @@ def check_target(target, *, tree: bool = False) -> None:
                              "(tree=None)")
 
 
-# -- forward and rollback -------------------------------------------------------------------------
+# -- one sequence's target: forward, rollback, attention swap ------------------------------------
 
 @dataclass
 class _Replay:
     """What a rollback of linear-attention layers needs from the last verification forward."""
 
-    target: object
     snapshots: dict           # layer index -> (conv state, recurrent state) before the forward
     hidden_states: tuple      # the forward's hidden_states: entry i is the input of decoder layer i
     new_tokens: int
-
-
-_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def copy_linear_states(cache) -> dict:
@@ -114,29 +112,107 @@ def copy_linear_states(cache) -> dict:
     return out
 
 
-def forward(target, ids, cache=None, position_ids=None, rollback: bool = True):
-    """``target(ids)`` with its cache and hidden states -> (logits [B, T, V], hidden_states tuple, cache).
+class TargetSession:
+    """One sequence's target: its cache, the rollback its last verification left pending, and the
+    attention swap (:meth:`attention`). The loop owns one per sequence; nothing is kept elsewhere.
 
-    With ``rollback`` (a verification) the sliding and linear-attention layers record this forward
-    and the linear layers' states are copied first, so that :func:`crop` can drop any suffix of
-    ``ids``; without it (plain decoding) nothing is recorded or copied. A forward on a cache whose
-    last recorded forward was never cropped first commits it (``crop`` to its full length)."""
-    kwargs = {_cache_kwarg(type(target).forward): cache} if cache is not None else {}
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    snapshots = {}
-    if cache is not None:
-        if cache in _PENDING or any(getattr(layer, "record_past", False) for layer in _layers(cache)):
-            crop(cache, seq_length(cache))                     # shrink what the last recorded forward kept
-        for layer in _layers(cache):
-            if _layer_kind(layer) in ("sliding", "linear"):
-                layer.record_past = rollback
-        snapshots = copy_linear_states(cache) if rollback else {}
-    out = target(ids, use_cache=True, output_hidden_states=True, **kwargs)
-    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
-    if snapshots:
-        _PENDING[new_cache] = _Replay(target, snapshots, out.hidden_states, ids.shape[1])
-    return out.logits, out.hidden_states, new_cache
+    Example::
+
+        >>> s = TargetSession(target)
+        >>> logits, hidden = s.forward(prompt[None])              # prefill
+        >>> logits, hidden = s.forward(block[None])               # a verification, recorded
+        >>> s.crop(len(prompt) + accepted)                        # drop the rejected suffix
+    """
+
+    def __init__(self, target, prefills: Prefills | None = None):
+        self.target, self.prefills = target, prefills
+        self.device = next(target.parameters()).device
+        self.cache = None
+        self.length = 0                           # committed entries: the position of the next token
+        self._replay: _Replay | None = None       # set by a verification of a linear-attention target
+
+    def prefill(self, ids) -> tuple[torch.Tensor, tuple]:
+        """The prompt ``ids [T]`` forward (or a copy of the shared one, see :class:`Prefills`) ->
+        ``(logits of its last position [V], hidden_states)``."""
+        if self.prefills is not None:
+            return self.prefills.prefill(self, ids)
+        logits, hidden_states = self.forward(ids[None])
+        return logits[0, -1], hidden_states
+
+    def forward(self, ids, position_ids=None, rollback: bool = True):
+        """``target(ids)`` on this session's cache -> ``(logits [B, T, V], hidden_states tuple)``.
+
+        With ``rollback`` (a verification) the sliding and linear-attention layers record this
+        forward and the linear layers' states are copied first, so that :meth:`crop` can drop any
+        suffix of ``ids``; without it (plain decoding) nothing is recorded or copied. A forward after
+        a recorded one that was never cropped first commits it (``crop`` to its full length)."""
+        cache = self.cache
+        kwargs = {_cache_kwarg(type(self.target).forward): cache} if cache is not None else {}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        snapshots = {}
+        if cache is not None:
+            if self._replay is not None or any(getattr(layer, "record_past", False) for layer in _layers(cache)):
+                replay, self._replay = self._replay, None      # commit the last recorded forward:
+                _crop(self.target, cache, seq_length(cache), replay)   # shrink what it kept
+            for layer in _layers(cache):
+                if _layer_kind(layer) in ("sliding", "linear"):
+                    layer.record_past = rollback
+            snapshots = copy_linear_states(cache) if rollback else {}
+        out = self.target(ids, use_cache=True, output_hidden_states=True, **kwargs)
+        self.cache = out["cache"] if "cache" in out else out["past_key_values"]
+        self.length += ids.shape[1]
+        if snapshots:
+            self._replay = _Replay(snapshots, out.hidden_states, ids.shape[1])
+        return out.logits, out.hidden_states
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` entries of every layer, whatever the layer type."""
+        replay, self._replay = self._replay, None
+        _crop(self.target, self.cache, length, replay)
+        self.length = length
+
+    def keep_tree_path(self, n_tree: int, kept) -> None:
+        """After a tree forward of ``n_tree`` nodes: keep the committed entries and the tree nodes
+        ``kept`` (indices into the tree, in order) in every full and sliding layer."""
+        _keep_tree_path(self.cache, n_tree, kept)
+        self.length += len(kept) - n_tree
+
+    @property
+    def can_swap_attention(self) -> bool:
+        """Whether the target dispatches its attention through transformers' ``AttentionInterface``."""
+        return bool(getattr(self.target, "_supports_attention_backend", False))
+
+    def attention(self, fn):
+        """Within the block, every attention layer of the target runs ``fn(module, query, key, value,
+        attention_mask, **kwargs)`` (transformers' ``AttentionInterface`` signature)."""
+        return attention_swapped(self.target, fn)
+
+
+class Prefills:
+    """Prompt forwards shared by every run on ``target`` that passes this object (``spec.generate`` /
+    ``spec.autoregressive``'s ``prefill=``): each prompt is run once and every later run starts from a
+    copy of its cache, so rows, policies and drafters compared on the same prompts pay one prefill
+    (TPOT excludes it, so no number changes). ``keep`` bounds the prompts held (oldest dropped
+    first; None keeps all)."""
+
+    def __init__(self, target, keep: int | None = None):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+        self.target, self.keep = target, keep
+        self._held: dict[tuple, tuple] = {}       # prompt -> (last logits, hidden_states, cache)
+
+    def prefill(self, session: TargetSession, ids) -> tuple[torch.Tensor, tuple]:
+        key = tuple(ids.tolist())
+        if key not in self._held:
+            fresh = TargetSession(self.target)
+            logits, hidden_states = fresh.forward(ids[None])
+            if self.keep is not None and len(self._held) >= self.keep:
+                self._held.pop(next(iter(self._held)))
+            self._held[key] = (logits[0, -1].clone(), hidden_states, fresh.cache)
+        logits, hidden_states, cache = self._held[key]
+        session.cache, session.length = copy.deepcopy(cache), len(key)
+        return logits, hidden_states
 
 
 def seq_length(cache) -> int:
@@ -144,7 +220,33 @@ def seq_length(cache) -> int:
     return cache.get_seq_length()
 
 
-def _replay_linear(replay: _Replay, cache, index: int, keep: int) -> None:
+_ACTIVE = contextvars.ContextVar("fold_spec_attention", default=None)   # set only inside attention_swapped
+
+
+def _dispatch(module, query, key, value, attention_mask, **kwargs):
+    return _ACTIVE.get()(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def attention_swapped(target, fn):
+    """The one attention swap: ``target``'s attention runs ``fn`` inside the block (registered once
+    as transformers' ``"fold"`` implementation, with no mask of its own; the previous one restored)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("fold", _dispatch)
+    AttentionMaskInterface.register("fold", lambda *args, **kwargs: None)        # the caller's read masks
+    previous = target.config._attn_implementation
+    token = _ACTIVE.set(fn)
+    target.set_attn_implementation("fold")
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(previous)
+        _ACTIVE.reset(token)
+
+
+def _replay_linear(target, replay: _Replay, cache, index: int, keep: int) -> None:
     """Put linear-attention layer ``index`` back to its state before the verification, then run the
     verification's first ``keep`` rows through that layer's mixer again."""
     layer = cache.layers[index]
@@ -152,20 +254,18 @@ def _replay_linear(replay: _Replay, cache, index: int, keep: int) -> None:
     layer.conv_states[0] = conv
     layer.recurrent_states[0].copy_(recurrent)
     if keep:
-        decoder = decoder_layers(replay.target)[index]
+        decoder = decoder_layers(target)[index]
         x = decoder.input_layernorm(replay.hidden_states[index][:, :keep])
         decoder.linear_attn(x, **{_cache_kwarg(type(decoder.linear_attn).forward): cache})
     layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
 
 
-def crop(cache, length: int) -> None:
-    """Keep the first ``length`` entries of every layer of ``cache``, whatever the layer type."""
+def _crop(target, cache, length: int, replay) -> None:
     layers = _layers(cache)
     current = seq_length(cache)
     removed = current - length
     if removed < 0:
         raise ValueError(f"cannot crop a cache of {current} entries to {length}")
-    replay = _PENDING.pop(cache, None)
     if not layers:                                            # transformers 4.x tuple-style caches
         if removed:
             if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
@@ -180,7 +280,7 @@ def crop(cache, length: int) -> None:
                 raise RuntimeError(f"linear-attention layer {i}: no state saved before the last forward, so its "
                                    "recurrent state cannot be rolled back")
             if removed:
-                _replay_linear(replay, cache, i, replay.new_tokens - removed)
+                _replay_linear(target, replay, cache, i, replay.new_tokens - removed)
             elif layer.conv_states[0] is not None:
                 layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
         elif kind == "sliding":
@@ -189,9 +289,7 @@ def crop(cache, length: int) -> None:
             layer.crop(-removed)
 
 
-def keep_tree_path(cache, n_tree: int, kept) -> None:
-    """After a tree forward of ``n_tree`` nodes: keep the committed entries and the tree nodes
-    ``kept`` (indices into the tree, in order) in every full and sliding layer."""
+def _keep_tree_path(cache, n_tree: int, kept) -> None:
     kept = torch.as_tensor(kept)
     layers = _layers(cache)
     if not layers:                                            # transformers 4.x
@@ -215,18 +313,6 @@ def keep_tree_path(cache, n_tree: int, kept) -> None:
             layer.cumulative_length += len(kept) - n_tree
             layer.keys = layer.keys[:, :, -layer.sliding_window + 1:]
             layer.values = layer.values[:, :, -layer.sliding_window + 1:]
-
-
-def keep(cache, indices) -> None:
-    """Keep the entries ``indices`` (sorted, [K]) of every full-attention layer of ``cache``, in that order."""
-    if hasattr(cache, "layers"):
-        for layer in cache.layers:
-            layer.keys = layer.keys.index_select(2, indices)
-            layer.values = layer.values.index_select(2, indices)
-    else:
-        for i in range(len(cache.key_cache)):
-            cache.key_cache[i] = cache.key_cache[i].index_select(2, indices)
-            cache.value_cache[i] = cache.value_cache[i].index_select(2, indices)
 
 
 def layer_keys(cache, index: int):
@@ -254,33 +340,11 @@ def layer_values(cache, index: int):
 
 # -- a target layer's query, for target-side retrieval (CMR) ------------------------------------------
 
-_CAPTURED: list = []
-
-
-def _capture_interface(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    _CAPTURED.append((query, scaling))
-    return query.transpose(1, 2), None                      # [B, T, Hq, d], the shape the layer expects
-
-
-@contextlib.contextmanager
-def _attention_implementation(target, name):
-    config = target.config
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 @torch.no_grad()
 def attention_query(target, index: int, hidden_in, positions):
     """The rotated query of attention layer ``index`` for rows whose layer input is ``hidden_in
     [1, T, H]`` at ``positions [T]`` -> ``(q [1, Hq, T, d], scaling)``, exactly as the layer computes
     it (its norms, gate split, partial or proportional RoPE), read through ``AttentionInterface``."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("fold_capture", _capture_interface)
     layer = decoder_layers(target)[index]
     attn = layer.self_attn
     x = layer.input_layernorm(hidden_in)
@@ -294,8 +358,13 @@ def attention_query(target, index: int, hidden_in, positions):
     kwargs = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
     if "shared_kv_states" in inspect.signature(type(attn).forward).parameters:   # only the query is read
         kwargs["shared_kv_states"] = dict.fromkeys(set(types) or {"full_attention"}, (None, None))
-    _CAPTURED.clear()
-    with _attention_implementation(target, "fold_capture"):
+    captured = []
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        captured.append((query, scaling))
+        return query.transpose(1, 2), None                  # [B, T, Hq, d], the shape the layer expects
+
+    with attention_swapped(target, capture):
         attn(**kwargs)
-    query, scaling = _CAPTURED.pop()
+    query, scaling = captured.pop()
     return query, (scaling if scaling is not None else attn.scaling)

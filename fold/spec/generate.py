@@ -1,16 +1,21 @@
-"""``spec.generate``: speculative decoding of a transformers target with a block drafter.
+"""``spec.generate``: speculative decoding of a transformers target with a drafter.
 
-One round, per sequence::
+One loop (:func:`_decode`) runs every kind of decoding; a proposer drafts, the target verifies::
 
-    drafts = drafter(anchor + MASKs, its context, read by the policy)     # one forward
-    post   = target([anchor] + drafts)                                    # one forward, verifies all
-    a      = longest prefix with drafts[i] == post[i]                     # greedy acceptance
-    commit drafts[:a] + [post[a]];  crop the target cache to the committed entries
-    append the target features of anchor + a accepted drafts to the drafter's context
+    logits, hidden = session.prefill(prompt)                  # or a copy of a shared one (Prefills)
+    proposer.start(session, prompt, hidden)                   # the drafter's context
+    while not done:
+        draft = proposer.draft(session, new)                  # chain or tree; nothing for plain decoding
+        post  = session.forward([anchor] + draft)             # one target forward verifies all
+        a     = longest prefix with draft[i] == post[i]       # greedy (rejection sampling above T = 0)
+        commit draft[:a] + [post[a]];  session.crop(committed)    # or keep a tree's accepted path
+        proposer.accept(session, verified rows)               # features in / drafter cache cropped
 
-Greedy acceptance commits only tokens the target itself picks, so the output equals the target's
-own greedy generation (lossless); at temperature > 0 rejection sampling keeps the target's
-distribution. Batch rows run one after another, each with its own caches.
+Proposers: :class:`BlockProposer` (DFlash/DSpark, chain or tree), :class:`GlideProposer` (LongSpec,
+chain or beam tree) and :class:`Plain` (the AR baseline, nothing drafted). Greedy acceptance
+commits only tokens the target itself picks, so the output equals the target's own greedy
+generation (lossless); at temperature > 0 rejection sampling keeps the target's distribution.
+Batch rows run one after another, each with its own :class:`fold.spec.TargetSession`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import torch
 from fold.spec import _hf
 from fold.spec.drafter import Drafter
 from fold.spec.loading import check_fits
+from fold.spec._hf import Prefills
+from fold.spec.glide import GlideDrafter, glide_tree
 from fold.spec.policies import Read, make_read
-from fold.spec.glide import glide_tree
-from fold.spec.tree import tree_round, verify_tree
+from fold.spec.tree import build_tree, verify_tree
 
 
 @dataclass
@@ -135,88 +141,159 @@ def _stats(accepted, committed, drafted, new, prefill_s, decode_s) -> dict:
                 tpot_s=decode_s / max(1, len(new) - 1), new_tokens=len(new))
 
 
+@dataclass
+class Draft:
+    """One round's proposal: a chain ``tokens`` (with the distributions ``probs [n, V]`` they were
+    sampled from, None when greedy), or with ``parents``/``depths`` a tree whose node 0 is the anchor."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+    depths: list[int] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens) - (self.parents is not None)
+
+
+@dataclass
+class Verified:
+    """What the target kept of a round: ``tokens`` (accepted drafts + the target's own), the rows of
+    the verification (``rows``, a slice or indices; anchor first) that are now committed entries, and
+    the verification's ``hidden_states``."""
+
+    tokens: list[int]
+    rows: object
+    last_row: int
+    hidden_states: tuple
+
+
+def _verify(session: _hf.TargetSession, anchor: int, draft: Draft, temperature, generator, rollback: bool):
+    """The target's half of a round: one forward over the anchor and the draft, acceptance, and the
+    cache rolled back to the committed entries."""
+    t = session.length                                        # the anchor's position
+    if draft.parents is not None:
+        path, token, kept, hidden_states = verify_tree(session, draft.tokens, draft.parents, draft.depths, t)
+        return Verified([draft.tokens[i] for i in path] + [token], kept, kept[-1], hidden_states)
+    ids = torch.tensor([[anchor] + draft.tokens], device=session.device)
+    logits, hidden_states = session.forward(ids, rollback=rollback)
+    a, token = _accept(draft.tokens, draft.probs, logits[0], temperature, generator)
+    if rollback:
+        session.crop(t + a + 1)                               # anchor + accepted drafts stay
+    return Verified(draft.tokens[:a] + [token], slice(0, a + 1), a, hidden_states)
+
+
 @torch.no_grad()
-def _generate_one(target, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], read,
-                  temperature: float, generator, bar=None, tree=None):
+def _decode(session, proposer, ids: torch.Tensor, max_new_tokens: int, eos: set[int], temperature: float,
+            generator, bar=None):
+    """One sequence, every kind of drafting: prefill, then rounds of draft -> verify -> accept ->
+    commit -> roll back until ``max_new_tokens`` or an eos. ``proposer`` drafts (``start``, ``draft``)
+    and takes the verified rows into its own context (``accept``); plain decoding drafts nothing."""
     t0 = time.perf_counter()
-    logits, hidden_states, cache = _hf.forward(target, ids[None])
-    state = drafter.new_state(len(ids) + max_new_tokens, ids.device, drafter.fc.weight.dtype)
-    drafter.append_context(state, drafter.features(hidden_states))
-    new = [_sample(logits[0, -1], temperature, generator)]
+    logits, hidden_states = session.prefill(ids)
+    proposer.start(session, ids, hidden_states)
+    new = [_sample(logits, temperature, generator)]
     prefill_s = time.perf_counter() - t0
-    rounds: list[int] = []
-    committed: list[int] = []
-    drafted = 0
+    rounds, committed, drafted = [], [], 0
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
-        anchor = new[-1]
-        if tree is not None:
-            path, n_nodes, hidden_states, last_row = tree_round(target, drafter, state, cache, anchor, read, tree)
-            drafted += n_nodes
-            drafts, a, token = path[:-1], len(path) - 1, path[-1]
-        else:
-            drafts, draft_probs = drafter.draft(state, anchor, read, temperature, generator)
-            drafted += len(drafts)
-            logits, hidden_states, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device),
-                                                       cache)
-            a, token = _accept(drafts, draft_probs, logits[0], temperature, generator)
-            _hf.crop(cache, state.length + a + 1)             # anchor + accepted drafts stay
-            drafter.append_context(state, drafter.features(hidden_states)[:, :a + 1])
-            last_row = a
-        if hasattr(read, "after_verify"):                     # target-side retrieval (CMR)
-            read.after_verify(target, hidden_states, cache, state.length, last_row)
-        rounds.append(a + 1)
-        committed.append(_commit(new, drafts[:a] + [token], max_new_tokens, eos, bar))
+        draft = proposer.draft(session, new)
+        verified = _verify(session, new[-1], draft, temperature, generator, proposer.rollback)
+        proposer.accept(session, verified)
+        drafted += draft.size
+        rounds.append(len(verified.tokens))
+        committed.append(_commit(new, verified.tokens, max_new_tokens, eos, bar))
     return new, _stats(rounds, committed, drafted, new, prefill_s, time.perf_counter() - t1)
 
 
-@torch.no_grad()
-def _generate_one_glide(target, drafter, ids: torch.Tensor, max_new_tokens: int, eos: set[int], gamma: int,
-                        temperature: float, generator, bar=None, tree=None):
-    """The loop for an autoregressive GLIDE drafter: a chain of gamma drafts, or a beam tree, per round."""
-    t0 = time.perf_counter()
-    logits, _, cache = _hf.forward(target, ids[None])
-    new = [_sample(logits[0, -1], temperature, generator)]
-    state = drafter.new_state(len(ids) + max_new_tokens + gamma + 1)
-    drafter.forward_tokens(state, ids, cache)
-    prefill_s = time.perf_counter() - t0
-    rounds, committed, drafted, prompt = [], [], 0, ids.tolist()
-    t1 = time.perf_counter()
-    while len(new) < max_new_tokens and new[-1] not in eos:
-        anchor, t = new[-1], len(ids) + len(new) - 1              # the anchor's position = target cache length
-        feed = torch.tensor((prompt + new)[state.length:t + 1], device=ids.device)   # tokens the drafter lacks
-        row = drafter.forward_tokens(state, feed, cache)[-1]
-        if tree is not None:
-            tokens, parents, depths, _ = glide_tree(drafter, state, row, anchor, tree, cache)
-            drafted += len(tokens) - 1
-            path, token, _, _ = verify_tree(target, cache, tokens, parents, depths, t)
-            drafter.crop(state, t + 1)                            # tree entries go; accepted ones are re-fed
-            rounds.append(len(path) + 1)
-            committed.append(_commit(new, [tokens[i] for i in path] + [token], max_new_tokens, eos, bar))
-            continue
+class Plain:
+    """Plain autoregressive decoding: no drafts, one target forward per token, nothing recorded."""
+
+    rollback = False
+
+    def start(self, session, ids, hidden_states) -> None:
+        pass
+
+    def draft(self, session, new) -> Draft:
+        return Draft([])
+
+    def accept(self, session, verified) -> None:
+        pass
+
+
+class BlockProposer:
+    """A block drafter (DFlash/DSpark): its context holds the target features of every committed
+    entry; ``tree`` drafts a token tree from the per-slot candidates instead of a chain."""
+
+    rollback = True
+
+    def __init__(self, drafter: Drafter, read, max_new_tokens: int, temperature: float, generator, tree=None):
+        self.drafter, self.read, self.max_new_tokens, self.tree = drafter, read, max_new_tokens, tree
+        self.temperature, self.generator = temperature, generator
+
+    def start(self, session, ids, hidden_states) -> None:
+        d = self.drafter
+        self.state = d.new_state(len(ids) + self.max_new_tokens, ids.device, d.fc.weight.dtype)
+        d.append_context(self.state, d.features(hidden_states))
+
+    def draft(self, session, new) -> Draft:
+        d, anchor = self.drafter, new[-1]
+        if self.tree is None:
+            return Draft(*d.draft(self.state, anchor, self.read, self.temperature, self.generator))
+        markov = d.markov_bias if d.cfg.markov_rank else None
+        tokens, parents, depths = build_tree(d.slot_logits(self.state, anchor, self.read), self.tree, anchor, markov)
+        return Draft(tokens, None, parents, depths)
+
+    def accept(self, session, verified: Verified) -> None:
+        self.drafter.append_context(self.state, self.drafter.features(verified.hidden_states)[:, verified.rows])
+        if hasattr(self.read, "after_verify"):                # target-side retrieval (CMR)
+            self.read.after_verify(session.target, verified.hidden_states, session.cache, self.state.length,
+                                   verified.last_row)
+
+
+class GlideProposer:
+    """LongSpec's GLIDE: a chain of ``gamma`` drafts, or a beam ``tree``, drafted autoregressively
+    while reading the target's last-layer cache; the tokens it lacks are fed at the next round."""
+
+    rollback = True
+
+    def __init__(self, drafter, gamma: int, max_new_tokens: int, temperature: float, generator, tree=None):
+        self.drafter, self.gamma, self.max_new_tokens, self.tree = drafter, gamma, max_new_tokens, tree
+        self.temperature, self.generator = temperature, generator
+
+    def start(self, session, ids, hidden_states) -> None:
+        self.prompt = ids.tolist()
+        self.state = self.drafter.new_state(len(ids) + self.max_new_tokens + self.gamma + 1)
+        self.drafter.forward_tokens(self.state, ids, session.cache)
+
+    def draft(self, session, new) -> Draft:
+        anchor, t, device = new[-1], session.length, session.device     # the anchor's position
+        feed = torch.tensor((self.prompt + new)[self.state.length:t + 1], device=device)   # tokens it lacks
+        row = self.drafter.forward_tokens(self.state, feed, session.cache)[-1]
+        if self.tree is not None:
+            tokens, parents, depths, _ = glide_tree(self.drafter, self.state, row, anchor, self.tree, session.cache)
+            return Draft(tokens, None, parents, depths)
         drafts, probs = [], []
-        for i in range(gamma):
-            if temperature == 0.0:
+        for i in range(self.gamma):
+            if self.temperature == 0.0:
                 drafts.append(int(row.argmax()))
             else:
-                probs.append(torch.softmax(row / temperature, dim=-1))
-                drafts.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
-            if i < gamma - 1:
-                row = drafter.forward_tokens(state, torch.tensor([drafts[-1]], device=ids.device), cache)[-1]
-        drafted += len(drafts)
-        logits, _, cache = _hf.forward(target, torch.tensor([[anchor] + drafts], device=ids.device), cache)
-        a, token = _accept(drafts, torch.stack(probs) if probs else None, logits[0], temperature, generator)
-        _hf.crop(cache, t + a + 1)
-        drafter.crop(state, t + a + 1)                            # its entries for the accepted prefix stay
-        rounds.append(a + 1)
-        committed.append(_commit(new, drafts[:a] + [token], max_new_tokens, eos, bar))
-    return new, _stats(rounds, committed, drafted, new, prefill_s, time.perf_counter() - t1)
+                probs.append(torch.softmax(row / self.temperature, dim=-1))
+                drafts.append(int(torch.multinomial(probs[-1], 1, generator=self.generator)))
+            if i < self.gamma - 1:
+                row = self.drafter.forward_tokens(self.state, torch.tensor([drafts[-1]], device=device),
+                                                  session.cache)[-1]
+        return Draft(drafts, torch.stack(probs) if probs else None)
+
+    def accept(self, session, verified: Verified) -> None:
+        # a chain keeps its entries for the accepted prefix; a tree's go (the accepted ones are re-fed)
+        self.drafter.crop(self.state, session.length - (len(verified.tokens) - 1 if self.tree is not None else 0))
 
 
 def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy=None,
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
              generator: torch.Generator | None = None, progress: bool = False, tree: tuple[int, ...] | None = None,
-             gamma: int = 4, **policy_options) -> GenerateResult:
+             gamma: int = 4, prefill: Prefills | None = None, **policy_options) -> GenerateResult:
     """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
 
     Args:
@@ -247,6 +324,9 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             paths by cumulative draft log-probability over the drafter's per-slot candidates, the
             target verifies every node in one forward (``fold.tree_attention`` inside it) and the
             longest path matching its greedy choices is accepted. Greedy only.
+        prefill: a :class:`fold.spec.Prefills` for ``target``: every prompt it has seen starts from a
+            copy of that prompt's cache instead of a new forward (share one across the runs that
+            compare policies or drafters on the same prompts).
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096),
             ``infllm_block`` (128), ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4),
@@ -261,10 +341,30 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
     Every argument is checked before any work; bad input raises ``ValueError``/``TypeError`` naming it.
     """
     eos = _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator)
+    _check_prefill(prefill, target)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
-    from fold.spec.glide import GlideDrafter
+    glide = _check_drafting(target, drafter, policy, policy_options, tree, temperature, gamma)
+    policy = "fold" if policy is None else policy
+    label = "glide" if glide else policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, label) if progress else None
+    tree = None if tree is None else tuple(tree)
 
+    def proposer(ids):
+        if glide:
+            return GlideProposer(drafter, gamma, max_new_tokens, float(temperature), generator, tree)
+        request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
+        read = _build_read(policy, drafter, request, policy_options)
+        return BlockProposer(drafter, read, max_new_tokens, float(temperature), generator, tree)
+    result = _run_rows(target, proposer, input_ids, attention_mask, max_new_tokens, eos, temperature, generator,
+                       bar, prefill)
+    if bar is not None:
+        bar.close()
+    return result
+
+
+def _check_drafting(target, drafter, policy, policy_options, tree, temperature, gamma) -> bool:
+    """``generate``'s drafter, policy and tree arguments, checked before any work; True for GLIDE."""
     glide = isinstance(drafter, GlideDrafter)
     if not (glide or isinstance(drafter, Drafter)):
         raise TypeError(f"drafter must come from fold.spec.load_drafter (a block drafter or GLIDE), "
@@ -290,32 +390,26 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
         if temperature != 0.0:
             raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
-        if not getattr(target, "_supports_attention_backend", False):
+        if not _hf.TargetSession(target).can_swap_attention:
             raise ValueError(f"tree verification runs fold.tree_attention through transformers' AttentionInterface; "
                              f"{type(target).__name__} does not dispatch its attention there, so use a chain "
                              "(tree=None)")
     if not glide and isinstance(policy, str):
         make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
                   **policy_options)                               # bad policy or option: fail before any work
+    return glide
+
+
+def _run_rows(target, proposer, input_ids, attention_mask, max_new_tokens, eos, temperature, generator, bar,
+              prefill) -> GenerateResult:
+    """Every batch row through :func:`_decode`, one after another, each with its own session."""
     rows, all_stats = [], []
-    label = "glide" if glide else policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-    bar = _progress_bar(input_ids.shape[0] * max_new_tokens, label) if progress else None
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
-        if glide:
-            new, stats = _generate_one_glide(target, drafter, ids, max_new_tokens, eos, gamma, float(temperature),
-                                             generator, bar, None if tree is None else tuple(tree))
-            rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
-            all_stats.append(stats)
-            continue
-        request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
-        read = _build_read(policy, drafter, request, policy_options)
-        new, stats = _generate_one(target, drafter, ids, max_new_tokens, eos, read, float(temperature), generator, bar,
-                                   None if tree is None else tuple(tree))
+        session = _hf.TargetSession(target, prefill)
+        new, stats = _decode(session, proposer(ids), ids, max_new_tokens, eos, float(temperature), generator, bar)
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
         all_stats.append(stats)
-    if bar is not None:
-        bar.close()
     return _assemble(rows, all_stats, eos, input_ids)
 
 
@@ -347,27 +441,21 @@ def _assemble(rows, all_stats, eos, input_ids) -> GenerateResult:
     return GenerateResult(sequences=sequences, tau=committed / max(1, n_rounds), stats=dict(per_sequence=all_stats))
 
 
-@torch.no_grad()
 def autoregressive(target, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask=None, eos_token_id=None,
-                   temperature: float = 0.0, generator: torch.Generator | None = None) -> GenerateResult:
+                   temperature: float = 0.0, generator: torch.Generator | None = None,
+                   prefill: Prefills | None = None) -> GenerateResult:
     """The target alone, one token per forward: the baseline TPOT and output of ``generate``.
 
-    Same arguments and result as :func:`generate` (``tau`` is 1, ``stats`` per sequence).
+    Same arguments and result as :func:`generate` (``tau`` is 1, ``stats`` per sequence); it is the
+    same loop with nothing drafted.
     """
     eos = _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator)
-    rows, all_stats = [], []
-    for b in range(input_ids.shape[0]):
-        ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
-        t0 = time.perf_counter()
-        logits, _, cache = _hf.forward(target, ids[None])
-        new = [_sample(logits[0, -1], temperature, generator)]
-        prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        while len(new) < max_new_tokens and new[-1] not in eos:
-            logits, _, cache = _hf.forward(target, torch.tensor([[new[-1]]], device=ids.device), cache,
-                                           rollback=False)
-            new.append(_sample(logits[0, -1], temperature, generator))
-        decode_s = time.perf_counter() - t1
-        rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
-        all_stats.append(_stats([1] * (len(new) - 1), [1] * (len(new) - 1), 0, new, prefill_s, decode_s))
-    return _assemble(rows, all_stats, eos, input_ids)
+    _check_prefill(prefill, target)
+    return _run_rows(target, lambda ids: Plain(), input_ids, attention_mask, max_new_tokens, eos, temperature,
+                     generator, None, prefill)
+
+
+def _check_prefill(prefill, target) -> None:
+    if prefill is not None and not (isinstance(prefill, Prefills) and prefill.target is target):
+        raise ValueError(f"prefill must be a fold.spec.Prefills made for this target (Prefills(target)), "
+                         f"got {prefill!r}")

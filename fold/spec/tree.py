@@ -12,16 +12,9 @@ oldest window entries that only shallower nodes see are one small masked read, m
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 
 import fold
-from fold.spec import _hf
-
-_CURRENT = contextvars.ContextVar("fold_tree_verification", default=None)   # (tree_mask [1, T, T], depths [T])
-_REGISTERED = False
 
 
 def _edge_read(q, k, v, visible, scaling):
@@ -37,18 +30,24 @@ def _edge_read(q, k, v, visible, scaling):
     return o[None].to(q.dtype), lse.transpose(0, 1)[None]
 
 
-def _tree_attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                              sliding_window=None, **kwargs):
-    # query [B, Hq, T, d]; key/value [B, Hkv, n_cache + T, d], rotated, the cached entries first
-    mask, depths = _CURRENT.get()
-    n_tree = query.shape[2]
-    n_cache = key.shape[2] - n_tree
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+def tree_read(tree_mask: torch.Tensor, depths: torch.Tensor):
+    """The target's attention during a tree verification, for :meth:`TargetSession.attention`:
+    ``fold.tree_attention`` over each layer's cached entries + the ``T`` tree nodes under
+    ``tree_mask [1, T, T]``; a sliding-window layer keeps each node's window by ``depths [T]``."""
+
+    def read(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+        # query [B, Hq, T, d]; key/value [B, Hkv, n_cache + T, d], rotated, the cached entries first
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return _tree_layer(q, k, v, tree_mask, depths, scaling, sliding_window), None
+    return read
+
+
+def _tree_layer(q, k, v, mask, depths, scaling, sliding_window):
+    n_cache = k.shape[1] - q.shape[1]
     if not sliding_window:
-        out = fold.tree_attention(q, k[:, :n_cache], v[:, :n_cache], k[:, n_cache:], v[:, n_cache:], mask,
-                                  softmax_scale=scaling)
-        return out, None
+        return fold.tree_attention(q, k[:, :n_cache], v[:, :n_cache], k[:, n_cache:], v[:, n_cache:], mask,
+                                   softmax_scale=scaling)
     # cached entry c sits at distance n_cache - c from the root: node i sees it iff n_cache - c + d_i < W
     window, d_max = int(sliding_window), int(depths.max())
     lo = max(0, n_cache - window + 1)                       # the oldest entry the root sees
@@ -61,40 +60,17 @@ def _tree_attention_interface(module, query, key, value, attention_mask, scaling
         visible = (n_cache - c[None, :] + depths[:, None]) < window                     # [T, shared - lo]
         o_edge, lse_edge = _edge_read(q, k[:, lo:shared], v[:, lo:shared], visible, scaling)
         out, _ = fold.merge_states([out, o_edge], [lse, lse_edge.to(lse.dtype)])
-    return out, None
+    return out
 
 
-def _register() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionInterface.register("fold_tree", _tree_attention_interface)
-        AttentionMaskInterface.register("fold_tree", lambda *args, **kwargs: None)   # the tree mask is ours
-        _REGISTERED = True
-
-
-@contextlib.contextmanager
-def tree_verification(target, tree_mask: torch.Tensor, committed: int | None = None, depths=None):
-    """Within the block, the target's attention is ``fold.tree_attention`` over its cache + the tree.
+def tree_verification(session, tree_mask: torch.Tensor, depths=None):
+    """Within the block, ``session``'s target attention is :func:`tree_read` over its cache + the tree.
 
     ``tree_mask [1, T, T]``; ``depths [T]`` of the nodes (the root at 0), needed by sliding-window
-    layers (default: the number of ancestors, read off the mask). ``committed`` is not needed: each
-    layer's cached entries are the keys before the ``T`` tree nodes (a sliding layer holds only
-    its window)."""
-    _register()
+    layers (default: the number of ancestors, read off the mask)."""
     if depths is None:
         depths = tree_mask[0].sum(-1) - 1
-    depths = torch.as_tensor(depths, device=tree_mask.device)
-    previous = target.config._attn_implementation
-    token = _CURRENT.set((tree_mask, depths))
-    target.set_attn_implementation("fold_tree")
-    try:
-        yield
-    finally:
-        target.set_attn_implementation(previous)
-        _CURRENT.reset(token)
+    return session.attention(tree_read(tree_mask, torch.as_tensor(depths, device=tree_mask.device)))
 
 
 def expand_level(tokens, parents, depths, scores, rows, width: int) -> list[int]:
@@ -161,31 +137,16 @@ def accept_path(tokens, parents, target_argmax):
 
 
 @torch.no_grad()
-def verify_tree(target, cache, tokens, parents, depths, committed: int):
+def verify_tree(session, tokens, parents, depths, committed: int):
     """Verify a tree (node 0 = the anchor at position ``committed``) in one target forward, compact
     the cache to the accepted path. Returns ``(path, bonus, kept rows, hidden_states)``."""
-    device = next(target.parameters()).device
+    device = next(session.target.parameters()).device
     mask = tree_mask(parents).to(device)[None]
     ids = torch.tensor([tokens], device=device)
     positions = torch.tensor([depths], device=device) + committed
-    with tree_verification(target, mask, depths=torch.tensor(depths, device=device)):
-        logits, hidden_states, cache = _hf.forward(target, ids, cache, position_ids=positions)
+    with tree_verification(session, mask, depths=torch.tensor(depths, device=device)):
+        logits, hidden_states = session.forward(ids, position_ids=positions)
     path, bonus = accept_path(tokens, parents, logits[0].argmax(-1).tolist())
     kept = [0] + path
-    _hf.keep_tree_path(cache, len(tokens), kept)
+    session.keep_tree_path(len(tokens), kept)
     return path, bonus, kept, hidden_states
-
-
-@torch.no_grad()
-def tree_round(target, drafter, state, cache, anchor: int, read, widths):
-    """One block-drafter round: draft a tree, verify it, compact the cache, append the accepted features.
-
-    Returns ``(accepted tokens incl. the target's, tree nodes drafted, the verification's hidden
-    states, the row of the last accepted node in them)``.
-    """
-    logits = drafter.slot_logits(state, anchor, read)
-    markov = drafter.markov_bias if drafter.cfg.markov_rank else None
-    tokens, parents, depths = build_tree(logits, widths, anchor, markov)
-    path, bonus, kept, hidden_states = verify_tree(target, cache, tokens, parents, depths, state.length)
-    drafter.append_context(state, drafter.features(hidden_states)[:, kept])
-    return [tokens[i] for i in path] + [bonus], len(tokens) - 1, hidden_states, kept[-1]
