@@ -1,0 +1,69 @@
+"""FOLD inside vLLM: a DFlash drafter whose attention layers read through fold, greedy, with the
+engine's own spec-decode counters.
+
+    python examples/serve_vllm.py                                  # a tiny random pair, built here
+    python examples/serve_vllm.py --target TARGET --drafter DRAFTER --window 2048 --alpha 2.0
+
+Run it in the vLLM environment (README: "Serving with vLLM"). The drafter directory is not changed:
+``fold.vllm.configure`` writes a copy whose config.json carries the ``fold`` block (weights linked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # one process: no __main__ guard needed
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, help="HF directory of the target (default: a tiny random one)")
+    ap.add_argument("--drafter", type=Path, help="z-lab DFlash directory for it (default: a tiny random one)")
+    ap.add_argument("--read", choices=("fold", "window", "rerope", "stock"), default="fold")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=2.0)
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    if (args.target is None) != (args.drafter is None):
+        ap.error("give both --target and --drafter, or neither (a tiny random pair)")
+
+    import fold.vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    work = Path(tempfile.mkdtemp(prefix="fold-vllm-"))
+    if args.target is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.vllm.pair import make_drafter, make_target
+
+        args.target, args.drafter = make_target(work / "target"), make_drafter(work / "drafter")
+    block = {"read": args.read}
+    if args.read != "stock":
+        block["window"] = args.window
+    if args.read == "fold":
+        block["alpha"] = args.alpha
+    drafter = fold.vllm.configure(args.drafter, work / "drafter-fold", **block)
+
+    llm = LLM(model=str(args.target), dtype="float32", max_model_len=2048, enforce_eager=True,
+              skip_tokenizer_init=True, seed=0, disable_log_stats=False,
+              speculative_config={"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.k})
+    prompts = [list(range(3, 200)), [5 + (7 * i) % 200 for i in range(400)]]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        print(f"prompt of {len(prompt)} tokens -> {list(out.outputs[0].token_ids)}")
+    counts = {m.name.removeprefix("vllm:spec_decode_num_"): m.value for m in llm.get_metrics()
+              if m.name.startswith("vllm:spec_decode_num_") and not m.name.endswith("per_pos")}
+    drafts = counts.get("drafts", 0)
+    print(f"read={args.read}: {drafts} drafts, {counts.get('accepted_tokens', 0)} draft tokens accepted, "
+          f"acceptance length {1 + counts.get('accepted_tokens', 0) / max(drafts, 1):.2f}")
+
+
+if __name__ == "__main__":
+    main()
