@@ -47,6 +47,7 @@ import torch
 
 import fold
 from fold.attention import BACKENDS, MAX_ALPHA
+from fold.masked import masked_attention
 from fold.rope import rotate, work_dtype
 from fold.spec.retrieval import CMRRead, InfLLMRead
 
@@ -95,8 +96,8 @@ class CachedPlainRead:
 
 def window_read(q, k, v, *, rope, window, softmax_scale=None):
     """FOLD without its far memory: row r sees ``j > n + r - D`` at true distances, one softmax."""
-    _, n_q, heads_q, head_dim = q.shape
-    length, heads_kv = k.shape[1], k.shape[2]
+    _, n_q, _, head_dim = q.shape
+    length = k.shape[1]
     n, d_pos = length - n_q, window + n_q
     lo = max(0, n - d_pos + 1)
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
@@ -106,10 +107,8 @@ def window_read(q, k, v, *, rope, window, softmax_scale=None):
     # positions relative to the block start n: only differences matter
     ks = rotate(k[0, lo:].transpose(0, 1).to(work), j - n, rope)
     qs = rotate(q[0].transpose(0, 1).to(work), r, rope)
-    group = heads_q // heads_kv
-    s = torch.einsum("hrd,hjd->hrj", qs, ks.repeat_interleave(group, 0)) * scale          # [Hq, n_q, L']
-    s = s.masked_fill(~(j[None, :] > (n + r - d_pos)[:, None]), float("-inf"))
-    o = torch.softmax(s, dim=-1) @ v[0, lo:].transpose(0, 1).to(work).repeat_interleave(group, 0)
+    visible = j[None, :] > (n + r - d_pos)[:, None]
+    o = masked_attention(qs, ks, v[0, lo:].transpose(0, 1).to(work), visible, scale, return_lse=False)
     return o.transpose(0, 1)[None].to(q.dtype)
 
 
@@ -166,8 +165,8 @@ def sliding_state(q, k, v, *, rope, sliding_window, causal):
     layer, ``j <= p`` (else ``j - p < sliding_window``); every entry at its true position.
     Returns ``(o [1, n_q, Hq, d] in q's dtype, lse [1, n_q, Hq])``, natural log, float32 (float64
     for float64 input); ``lse`` is ``-inf`` for a row that sees nothing."""
-    _, n_q, heads_q, head_dim = q.shape
-    length, heads_kv = k.shape[1], k.shape[2]
+    _, n_q, _, head_dim = q.shape
+    length = k.shape[1]
     n = length - n_q
     work = work_dtype(q.dtype)
     lo = max(0, n - sliding_window + 1)                                                 # oldest entry row 0 sees
@@ -178,12 +177,7 @@ def sliding_state(q, k, v, *, rope, sliding_window, causal):
     visible &= (j[None, :] <= p[:, None]) if causal else ((j[None, :] - p[:, None]) < sliding_window)
     ks = _rotate_rows(k[0, lo:], j - n, rope, work)                                      # relative to the block
     qs = _rotate_rows(q[0], r, rope, work)
-    group = heads_q // heads_kv
-    s = torch.einsum("hrd,hjd->hrj", qs, ks.repeat_interleave(group, 0)) * head_dim ** -0.5
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                                     # [Hq, n_q]
-    prob = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    o = prob @ v[0, lo:].transpose(0, 1).to(work).repeat_interleave(group, 0)
+    o, lse = masked_attention(qs, ks, v[0, lo:].transpose(0, 1).to(work), visible, head_dim ** -0.5)
     return o.transpose(0, 1)[None].to(q.dtype), lse.transpose(0, 1)[None]
 
 

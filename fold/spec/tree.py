@@ -15,19 +15,17 @@ from __future__ import annotations
 import torch
 
 import fold
+from fold.masked import masked_attention
+from fold.rope import work_dtype
 
 
 def _edge_read(q, k, v, visible, scaling):
     """Explicit attention of ``q [1, T, Hq, d]`` over a few keys ``k, v [1, E, Hkv, d]`` with
     ``visible [T, E]`` -> ``(o [1, T, Hq, d], lse [1, T, Hq])``, natural log, float32 or float64."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[2] // k.shape[2]
-    s = torch.einsum("thd,ehd->hte", q[0].to(work), k[0].to(work).repeat_interleave(group, 1)) * scaling
-    s = s.masked_fill(~visible[None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                                  # [Hq, T]
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    o = torch.einsum("hte,ehd->thd", p, v[0].to(work).repeat_interleave(group, 1))
-    return o[None].to(q.dtype), lse.transpose(0, 1)[None]
+    work = work_dtype(q.dtype)
+    o, lse = masked_attention(q[0].transpose(0, 1).to(work), k[0].transpose(0, 1).to(work),
+                              v[0].transpose(0, 1).to(work), visible, scaling)
+    return o.transpose(0, 1)[None].to(q.dtype), lse.transpose(0, 1)[None]
 
 
 def tree_read(tree_mask: torch.Tensor, depths: torch.Tensor):
