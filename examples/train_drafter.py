@@ -79,12 +79,13 @@ def _rope(x, pos, inv_freq):
     return x * cos.to(x.dtype) + torch.cat([-x[..., half:], x[..., :half]], -1) * sin.to(x.dtype)
 
 
-def block_logits(drafter: Drafter, features, ids, anchors, positions):
+def block_logits(drafter: Drafter, features, ids, anchors, positions, head=None):
     """The parallel training forward.
 
     features [B, T, k*H] target taps; ids [B, T]; anchors [B, K] (block k covers a_k .. a_k + bs - 1
     and reads context entries < a_k); positions [B, T + bs] (the position of every entry, also past T)
-    -> logits [B, K, bs - 1, vocab] of the drafting slots.
+    -> logits [B, K, bs - 1, vocab] of the drafting slots. ``head`` (default ``drafter.head``) maps the
+    final normed hidden states to logits (a training script may score a part of the vocabulary).
     """
     cfg = drafter.cfg
     bsz, n_ctx = ids.shape
@@ -112,7 +113,7 @@ def block_logits(drafter: Drafter, features, ids, anchors, positions):
                                            attn_mask=allowed, enable_gqa=True)  # [B, Hq, K*bs, d]
         h = h + attn.o_proj(o.transpose(1, 2).flatten(2))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = drafter.head(drafter.norm(h)).view(bsz, n_blk, bs, -1)
+    logits = (head or drafter.head)(drafter.norm(h)).view(bsz, n_blk, bs, -1)
     return logits[:, :, 1:]
 
 

