@@ -81,8 +81,7 @@ class Rope:
             raise TypeError(f"theta must be a real number, got {type(theta).__name__}")
         if not (math.isfinite(theta) and theta > 1):
             raise ValueError(f"theta must be finite and > 1, got {theta}")
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        return cls(1.0 / (theta ** exponent), rotary_dim=rotary_dim)
+        return cls(theta_inv_freq(theta, rotary_dim), rotary_dim=rotary_dim)
 
     @classmethod
     def from_config(cls, config) -> Rope:
@@ -153,6 +152,14 @@ class Rope:
     def __repr__(self) -> str:
         return (f"Rope(rotary_dim={self.rotary_dim}, interleaved={self.interleaved}, "
                 f"attention_factor={self.attention_factor})")
+
+
+def theta_inv_freq(theta: float, dim: int, count: int | None = None) -> torch.Tensor:
+    """Standard RoPE's inverse frequencies ``theta ** (-2i / dim)`` for ``i < count`` (default
+    ``dim / 2``), float32 -> ``[count]``; the one place they are formed (Gemma-4's proportional RoPE
+    takes fewer than ``dim / 2`` over the full ``head_dim``)."""
+    count = dim // 2 if count is None else count
+    return 1.0 / theta ** (torch.arange(0, 2 * count, 2, dtype=torch.int64).float() / dim)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope, *, factor: float | None = None,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import fold
+from fold.rope import theta_inv_freq
 from fold.spec.drafter import Drafter, DrafterConfig
 
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel", "Gemma4DSparkModel")
@@ -140,8 +141,7 @@ def _gemma4_rope(config: dict, target_config, head_dim: int, path: Path) -> fold
     rope_type = params.get("rope_type", "default")
     if rope_type == "proportional":             # transformers' _compute_proportional_rope_parameters
         angles = int(partial * head_dim // 2)
-        rotated = 1.0 / theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim)
-        inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - angles)]) / factor
+        inv_freq = torch.cat([theta_inv_freq(theta, head_dim, angles), torch.zeros(head_dim // 2 - angles)]) / factor
         return fold.Rope(inv_freq, rotary_dim=head_dim)
     if rope_type == "default" and factor == 1.0:
         return fold.Rope.from_theta(theta, head_dim, rotary_dim=int(head_dim * partial))
