@@ -45,8 +45,8 @@ def _classes(args):
                 cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
                                  dtype=dtype, keys_rotated=layout == "rotated", heads_kv=shape.heads_kv,
                                  window=shape.window)
-                if cls.key(1024) not in seen:          # n_q 7 and 8 share a padded class
-                    seen.add(cls.key(1024))
+                if cls.class_key not in seen:          # n_q 7 and 8 share a padded class
+                    seen.add(cls.class_key)
                     classes.append(cls)
     return classes
 
@@ -78,7 +78,10 @@ def parser() -> argparse.ArgumentParser:
                                "spills, shared memory and wgmma (no GPU needed)")
     p_inspect.add_argument("--drafters", nargs="+", choices=sorted(DRAFTERS), default=sorted(DRAFTERS))
     p_inspect.add_argument("--layout", nargs="+", default=["unrotated", "rotated"], choices=["unrotated", "rotated"])
-    p_inspect.add_argument("--lengths", nargs="+", type=_positive(int), default=[8192, 32768, 131072])
+    p_inspect.add_argument("--lengths", nargs="+", type=_positive(int), default=None,
+                           help="cache lengths (default: 8K, 32K, 128K, 256K)")
+    p_inspect.add_argument("--heads-kv", nargs="+", type=_positive(int), default=None,
+                           help="KV heads of each drafter shape, its query heads kept (default: 1 2 4 8)")
     p_inspect.add_argument("--device", default="NVIDIA_H200", help="the cache file name fold would read")
     p_inspect.add_argument("--sms", type=_positive(int), default=132, help="SMs the split model assumes")
     p_inspect.add_argument("--arch", type=_positive(int), default=90, help="compile for sm_<arch>")
@@ -126,8 +129,14 @@ def inspect(args) -> int:
         return 2
     from tuning import static_report
 
-    items = static_report.plan(args.drafters, args.lengths, tuple(x == "rotated" for x in args.layout),
-                               tree=not args.no_tree, device=args.device, sms=args.sms, page_size=args.page_size or 0)
+    try:
+        items = static_report.plan(args.drafters, args.lengths or static_report.DEFAULT_LENGTHS,
+                                   tuple(x == "rotated" for x in args.layout),
+                                   heads_kv=args.heads_kv or static_report.DEFAULT_HEADS_KV, tree=not args.no_tree,
+                                   device=args.device, sms=args.sms, page_size=args.page_size or 0)
+    except ValueError as exc:
+        print(f"python -m tuning inspect: error: {exc}", file=sys.stderr)
+        return 2
     if not args.json:
         print(f"what fold launches on {args.device} ({args.sms} SMs), compiled for sm_{args.arch}\n")
         print(static_report.HEADER)

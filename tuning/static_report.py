@@ -121,7 +121,10 @@ def cubin_resources(cubin: bytes) -> dict:
 
 # --- what fold launches for the drafter shapes ------------------------------------------------------------
 
-DEFAULT_LENGTHS = (8192, 32768, 131072)
+DEFAULT_LENGTHS = (8192, 32768, 131072, 262144)
+# KV heads of each drafter shape (its query heads kept): MQA/GQA drafters with one or two KV heads at
+# batch 1 are where the split model picks the most splits, so stage 2 merges the most states
+DEFAULT_HEADS_KV = (1, 2, 4, 8)
 TREE_NODES = 16
 
 
@@ -131,6 +134,7 @@ class Item:
 
     kernel: str
     shape: str
+    heads_kv: int
     length: int
     keys_rotated: bool
     config: dict
@@ -207,26 +211,31 @@ def _launch_config(launch: Launch) -> dict:
     return out
 
 
-def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, tree: bool = True,
-         device: str = "NVIDIA_H200", sms: int = H200_SMS, page_size: int = 0) -> list[Item]:
-    """Every launch fold makes on ``device`` for the drafter shapes x key layouts x lengths (the
-    fused read: prologue, stage 1, stage 2), and for ``fold.tree_attention`` with
-    :data:`TREE_NODES` nodes at each length (its cached read and the tree kernel)."""
+def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads_kv=DEFAULT_HEADS_KV,
+         tree: bool = True, device: str = "NVIDIA_H200", sms: int = H200_SMS, page_size: int = 0) -> list[Item]:
+    """Every launch fold makes on ``device`` at batch 1 for the drafter shapes, each with every
+    count of KV heads in ``heads_kv`` (``None``: the shape's own) x key layouts x lengths (the fused
+    read: prologue, stage 1, stage 2), and for ``fold.tree_attention`` with :data:`TREE_NODES` nodes
+    at each length (its cached read and the tree kernel)."""
     from tuning.workloads import DRAFTERS
 
     items = []
     for name in drafters or DRAFTERS:
-        shape = DRAFTERS[name]
-        for length in lengths:
-            for keys_rotated in layouts:
-                config = launched_config(shape, length, keys_rotated, device=device, sms=sms)
-                for launch in fold_launches(shape, length, keys_rotated, config, page_size=page_size):
-                    items.append(Item(_kernel_name(launch), name, length, keys_rotated, _launch_config(launch), launch))
-            if tree:
-                config = launched_config(shape, length, True, n_q=TREE_NODES, device=device, sms=sms)
-                for launch in tree_launches(shape, length, config):
-                    kernel = launch.name if launch.name == "tree_fwd_kernel" else f"tree/{_kernel_name(launch)}"
-                    items.append(Item(kernel, name, length, True, _launch_config(launch), launch))
+        for kv in heads_kv or (DRAFTERS[name].heads_kv,):
+            if DRAFTERS[name].heads_q % kv:
+                raise ValueError(f"{name} has {DRAFTERS[name].heads_q} query heads: {kv} KV heads do not divide them")
+            shape = dataclasses.replace(DRAFTERS[name], heads_kv=kv)
+            for length in lengths:
+                for keys_rotated in layouts:
+                    config = launched_config(shape, length, keys_rotated, device=device, sms=sms)
+                    for launch in fold_launches(shape, length, keys_rotated, config, page_size=page_size):
+                        items.append(Item(_kernel_name(launch), name, kv, length, keys_rotated,
+                                          _launch_config(launch), launch))
+                if tree:
+                    config = launched_config(shape, length, True, n_q=TREE_NODES, device=device, sms=sms)
+                    for launch in tree_launches(shape, length, config):
+                        kernel = launch.name if launch.name == "tree_fwd_kernel" else f"tree/{_kernel_name(launch)}"
+                        items.append(Item(kernel, name, kv, length, True, _launch_config(launch), launch))
     return items
 
 
@@ -252,7 +261,7 @@ def report(items: list[Item], *, arch: int = 90, dump: Path | None = None, worke
                 Path(dump).mkdir(parents=True, exist_ok=True)
                 (Path(dump) / name).write_bytes(cubin)
         res = resources[digest]
-        records.append(dict(kernel=item.kernel, shape=item.shape, length=item.length,
+        records.append(dict(kernel=item.kernel, shape=item.shape, heads_kv=item.heads_kv, length=item.length,
                             keys_rotated=item.keys_rotated, config=item.config, arch=f"sm_{arch}",
                             registers=res["registers"], spill_stores=res["spill_stores"],
                             spill_loads=res["spill_loads"], shared_bytes=shared, wgmma=res["wgmma"],
@@ -296,8 +305,8 @@ def stage1_spills(shape, keys_rotated: bool, tiles, *, arch: int = 90, length: i
     return out
 
 
-HEADER = (f"{'shape':<12} {'layout':<9} {'L':>7} {'kernel':<22} {'config':<34} {'regs':>4} {'spill st/ld':>11} "
-          f"{'smem KB':>7} {'wgmma':>5} {'CTA/SM':>6}")
+HEADER = (f"{'shape':<12} {'Hkv':>3} {'layout':<9} {'L':>7} {'kernel':<22} {'config':<34} {'regs':>4} "
+          f"{'spill st/ld':>11} {'smem KB':>7} {'wgmma':>5} {'CTA/SM':>6}")
 
 
 def format_row(r: dict) -> str:
@@ -307,7 +316,8 @@ def format_row(r: dict) -> str:
                   f"{' rotate' if c['rotate'] else ''}")
     else:
         config = " ".join(f"{k}={v}" for k, v in c.items())
-    return (f"{r['shape']:<12} {'rotated' if r['keys_rotated'] else 'unrotated':<9} {r['length']:>7} "
+    layout = "rotated" if r["keys_rotated"] else "unrotated"
+    return (f"{r['shape']:<12} {r['heads_kv']:>3} {layout:<9} {r['length']:>7} "
             f"{r['kernel']:<22} {config:<34} {r['registers']:>4} "
             f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>11} {r['shared_bytes'] / 1024:>7.1f} "
             f"{r['wgmma']:>5} {r['ctas_per_sm']:>6}")

@@ -13,7 +13,7 @@ Four launches, each of one kernel:
   The far launch is left out when no sequence can have far entries (``max_len - n_q <= W``).
 - **stage 2**, one program per output row: merges the window states as they are and the far states
   in alpha-space (their LSE is ``LSE(alpha * logits)``), divides the far LSE by alpha and merges the
-  two branches, in one ``[states, D]`` tile.
+  two branches, :data:`MERGE_BLOCK_S` states at a time (registers bounded for any split count).
 
 Per sequence (``L`` entries, ``n = L - n_q``, ``D = W + n_q``, ``win_lo = n - D + 1``) row ``r``
 reads ``j < win_lo + r`` as far memory and ``j >= win_lo + r`` as window. The far launch covers
@@ -52,6 +52,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)   # ln 2 (in kernels): base-2 LSE -> natural log
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 # The branch that rotates keys holds its key tile, the tile's cos/sin and the rotated tile at once:
 # it reads tiles of at most this many entries (registers, see tuning/static_report.py).
 ROT_BLOCK_N = 32
+# Stage 2 merges a row's split states this many at a time (one [MERGE_BLOCK_S, head_dim] fp32 tile).
+MERGE_BLOCK_S = 16
 
 
 def keep(config: FoldConfig, rows: int, head_dim: int) -> bool:
@@ -447,6 +450,17 @@ def fold_fwd_kernel_stage1(
         tl.store(p_l, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_row)
 
 
+@triton.jit
+def _branch_mass(m, z, lse, in_branch):
+    # online log2-sum-exp2 over one branch's states, a [BLOCK_S] tile at a time: running max m and
+    # sum z relative to it; an empty branch stays (-inf, 0)
+    x = tl.where(in_branch, lse, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    z = z * tl.exp2(m - m_safe) + tl.sum(tl.exp2(x - m_safe), 0)
+    return m_new, z
+
+
 @triton.jit(do_not_specialize=["n_q", "far_states", "num_states"])
 def fold_fwd_kernel_stage2(
     OPart, LsePart, Out, Lse,
@@ -458,28 +472,31 @@ def fold_fwd_kernel_stage2(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr, LSE_BASE2: tl.constexpr,
 ):
-    # one row: its states [far splits | window splits] as one [BLOCK_S] vector and one [BLOCK_S, BLOCK_D] tile
+    # one row: its states [far splits | window splits], BLOCK_S at a time (a [BLOCK_S, BLOCK_D] tile
+    # of o per step, whatever the split count); two passes: each branch's mass from the LSEs, then
+    # the weighted sum of the states' o
     pid = tl.program_id(0)
     i_b = (pid // (heads_q * n_q)).to(tl.int64)
     i_hq = ((pid // n_q) % heads_q).to(tl.int64)
     i_r = (pid % n_q).to(tl.int64)
-    o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < num_states
-    is_far = o_s < far_states
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + i_r * stride_lr
+    p_o = OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or + o_d[None, :]
 
-    lse = tl.load(LsePart + i_b * stride_lb + i_hq * stride_lh + i_r * stride_lr + o_s, mask=m_s,
-                  other=float("-inf"))                                  # [BLOCK_S] base 2
     # per branch: log2 of its mass (the far one in alpha-space, then / alpha)
-    m_w = tl.max(tl.where(is_far, float("-inf"), lse), 0)
-    m_f = tl.max(tl.where(is_far, lse, float("-inf")), 0)
+    m_w = tl.full([], float("-inf"), tl.float32)
+    m_f = tl.full([], float("-inf"), tl.float32)
+    z_w = tl.zeros([], tl.float32)
+    z_f = tl.zeros([], tl.float32)
+    for s0 in range(0, num_states, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(p_l + o_s, mask=o_s < num_states, other=float("-inf"))      # [BLOCK_S] base 2
+        m_w, z_w = _branch_mass(m_w, z_w, lse, o_s >= far_states)
+        m_f, z_f = _branch_mass(m_f, z_f, lse, o_s < far_states)
     m_w = tl.where(m_w == float("-inf"), 0.0, m_w)
     m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
     # guards test for exact zeros (empty), never "> 0", so that a NaN state makes the row NaN
-    e = tl.exp2(lse - tl.where(is_far, m_f, m_w))                       # 0 for empty states
-    z_w = tl.sum(tl.where(is_far, 0.0, e), 0)
-    z_f = tl.sum(tl.where(is_far, e, 0.0), 0)
     lse_w = m_w + tl.log2(z_w)                                          # -inf if the branch is empty
     lse_f = (m_f + tl.log2(z_f)) * inv_alpha
     m = tl.maximum(lse_w, lse_f)
@@ -488,12 +505,20 @@ def fold_fwd_kernel_stage2(
     w_f = tl.exp2(lse_f - m_safe)
     total = w_w + w_f
     # a state's weight in the output: its branch's mass x its share of that branch
-    z_own = tl.where(is_far, z_f, z_w)
-    share = tl.where(e == 0.0, 0.0, e / tl.where(z_own == 0.0, 1.0, z_own))
-    w = share * tl.where(is_far, w_f, w_w) / tl.where(total == 0.0, 1.0, total)
-    p_o = OPart + i_b * stride_ob + i_hq * stride_oh + i_r * stride_or + o_s[:, None] * stride_os + o_d[None, :]
-    o = tl.load(p_o, mask=(m_s & (e != 0.0))[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(w[:, None] * o, 0)
+    norm = tl.where(total == 0.0, 1.0, total)
+    scale_w = w_w / tl.where(z_w == 0.0, 1.0, z_w) / norm              # x e = the state's weight
+    scale_f = w_f / tl.where(z_f == 0.0, 1.0, z_f) / norm
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_states, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < num_states
+        is_far = o_s < far_states
+        lse = tl.load(p_l + o_s, mask=m_s, other=float("-inf"))
+        e = tl.exp2(lse - tl.where(is_far, m_f, m_w))                   # 0 for empty states
+        w = e * tl.where(is_far, scale_f, scale_w)
+        o = tl.load(p_o + o_s[:, None] * stride_os, mask=(m_s & (e != 0.0))[:, None] & m_d[None, :],
+                    other=0.0)                                          # [BLOCK_S, BLOCK_D]
+        out += tl.sum(w[:, None] * o, 0)
     tl.store(Out + i_b * stride_outb + i_r * stride_outn + i_hq * stride_outh + o_d,
              out.to(Out.dtype.element_ty), mask=m_d)
     if RETURN_LSE:
@@ -501,7 +526,7 @@ def fold_fwd_kernel_stage2(
         if LSE_BASE2:   # for another of fold's kernels (the tree's), which merges in base 2
             tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2)
         else:           # the public boundary: base 2 -> e, once
-            tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * 0.6931471805599453)
+            tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * LN2)
 
 
 def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n: int) -> int:
@@ -573,7 +598,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         qw.stride(0), qw.stride(1), qw.stride(2),
         heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
         **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, FAR_PER_ROW=far_per_row,
-        QUERIES_ROTATED=queries_rotated, num_warps=4,
+        QUERIES_ROTATED=queries_rotated, num_warps=4 if config.block_m <= 64 else 8,
     )
     for is_window, q_branch, splits, offset, block_n in (
             (True, qw, win_splits, far_splits, block_n_win), (False, qf, far_splits, 0, block_n_far)):
@@ -601,7 +626,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         lse.stride(0), lse.stride(1),
         heads_q, n_q, far_splits, states, 1.0 / alpha,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(states)), RETURN_LSE=return_lse, LSE_BASE2=lse_base2,
+        BLOCK_S=MERGE_BLOCK_S, RETURN_LSE=return_lse, LSE_BASE2=lse_base2,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out, (lse if return_lse else None)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fold.kernels.fold_attention import INTERPRETED, LOG2E, FoldConfig, cache_len, fold_attention_fwd
+from fold.kernels.fold_attention import INTERPRETED, LN2, LOG2E, FoldConfig, cache_len, fold_attention_fwd
 
 # The tree is one tile (n_tree is small); rows per program are the launcher's block_m (a power of two >= 16).
 
@@ -85,7 +85,7 @@ def tree_fwd_kernel(
     if RETURN_LSE:
         lse = mx + tl.log2(total)
         # base 2 -> e
-        tl.store(Lse + i_b * stride_lseb + o_i * stride_lsen + i_hq, lse * 0.6931471805599453, mask=m_row)
+        tl.store(Lse + i_b * stride_lseb + o_i * stride_lsen + i_hq, lse * LN2, mask=m_row)
 
 
 def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale, return_lse,
