@@ -51,8 +51,6 @@ from fold.masked import masked_attention
 from fold.rope import rotate, work_dtype
 from fold.spec.retrieval import CMRRead, InfLLMRead
 
-BUILT = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
-PLANNED: tuple[str, ...] = ()
 
 
 def plain_read(q, k, v, rope, backend="auto"):
@@ -334,58 +332,73 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
     ``training_length`` (>= 2), ``infllm_block`` (>= 1), ``infllm_init`` (>= 0), ``infllm_topk``
     (>= 0), ``infllm_repr`` (>= 1), ``cmr_chunk``, ``cmr_top``, ``cmr_every`` (>= 1).
     """
-    if policy not in BUILT + PLANNED:
-        raise ValueError(f"policy must be one of {BUILT + PLANNED}, got {policy!r}")
-    if policy in PLANNED:
-        raise ValueError(f"policy {policy!r} is not built yet; built: {BUILT}")
+    if policy not in BUILT:
+        raise ValueError(f"policy must be one of {BUILT}, got {policy!r}")
     if not isinstance(rope, fold.Rope):
         raise TypeError(f"rope must be a fold.Rope, got {type(rope).__name__}")
-    o = validate_options(options)
+    return _BUILDERS[policy](rope, validate_options(options), request)
+
+
+def _fold(rope, o, request) -> Read:
     window, alpha, backend = o["window"], float(o["alpha"]), o["backend"]
-    if policy == "dflash":
-        return Read(CachedPlainRead(rope), rope=rope)
-    if policy == "fold":
-        short = CachedPlainRead(rope)
+    short = CachedPlainRead(rope)
 
-        def read(q, k, v, layer):
-            if k.shape[1] - q.shape[1] <= window:          # length dispatch: nothing is far yet
-                return short(q, k, v, layer)
-            return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
+    def read(q, k, v, layer):
+        if k.shape[1] - q.shape[1] <= window:          # length dispatch: nothing is far yet
+            return short(q, k, v, layer)
+        return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
 
-        def sliding(q, k, v, layer, *, sliding_window, causal):
-            return fold_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal, window=window,
-                                     alpha=alpha, backend=backend)
-        return Read(read, sliding, rope=rope)
-    if policy == "window":
-        return Read(lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=window), rope=rope)
-    if policy == "streaming":
-        return Read(lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"],
-                                                          backend=backend), rope=rope)
-    if policy == "yarn":
-        _check_request(request)
-        factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"],
-                             o["reference_len"])
-        if o["rope_theta"] is None and rope.inv_freq.numel() < 2:
-            raise ValueError("yarn needs rope_theta=... for a rotary_dim of 2 (it cannot be read off inv_freq)")
-        # inv_freq[i] = theta ** (-2i / rotary_dim), so theta = inv_freq[1] ** (-rotary_dim / 2)
-        theta = o["rope_theta"] if o["rope_theta"] is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
-        return Read(CachedPlainRead(yarn_rope(rope, factor, o["reference_len"], theta)), rope=rope)
-    if policy == "rerope":
-        training_length = o["training_length"]
+    def sliding(q, k, v, layer, *, sliding_window, causal):
+        return fold_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal, window=window,
+                                 alpha=alpha, backend=backend)
+    return Read(read, sliding, rope=rope)
 
-        def sliding(q, k, v, layer, *, sliding_window, causal):
-            return rerope_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal,
-                                       window=window, training_length=training_length, backend=backend)
-        return Read(lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window,
-                                                       training_length=training_length, backend=backend),
-                    sliding, rope=rope)
-    if policy == "infllm":
-        return Read(InfLLMRead(rope, window=window, block=o["infllm_block"], init=o["infllm_init"],
-                               topk=o["infllm_topk"], repr_topk=o["infllm_repr"]), rope=rope)
-    cmr = CMRRead(rope, chunk=o["cmr_chunk"], top=o["cmr_top"], every=o["cmr_every"], backend=backend)
+
+def _yarn(rope, o, request) -> Read:
+    _check_request(request)
+    factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"], o["reference_len"])
+    if o["rope_theta"] is None and rope.inv_freq.numel() < 2:
+        raise ValueError("yarn needs rope_theta=... for a rotary_dim of 2 (it cannot be read off inv_freq)")
+    # inv_freq[i] = theta ** (-2i / rotary_dim), so theta = inv_freq[1] ** (-rotary_dim / 2)
+    theta = o["rope_theta"] if o["rope_theta"] is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
+    return Read(CachedPlainRead(yarn_rope(rope, factor, o["reference_len"], theta)), rope=rope)
+
+
+def _rerope(rope, o, request) -> Read:
+    window, training_length, backend = o["window"], o["training_length"], o["backend"]
+
+    def sliding(q, k, v, layer, *, sliding_window, causal):
+        return rerope_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal,
+                                   window=window, training_length=training_length, backend=backend)
+    return Read(lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window,
+                                                   training_length=training_length, backend=backend),
+                sliding, rope=rope)
+
+
+def _cmr(rope, o, request) -> Read:
+    cmr = CMRRead(rope, chunk=o["cmr_chunk"], top=o["cmr_top"], every=o["cmr_every"], backend=o["backend"])
 
     def sliding(q, k, v, layer, *, sliding_window, causal):
         n = k.shape[1] - q.shape[1]
         keep = torch.cat([cmr.entries(n).to(k.device), torch.arange(n, k.shape[1], device=k.device)])
         return sliding_state(q, k[:, keep], v[:, keep], rope=rope, sliding_window=sliding_window, causal=causal)[0]
     return Read(cmr, sliding, rope=rope)
+
+
+# policy name -> builder(rope, options with defaults, request) -> the sequence's Read
+_BUILDERS = {
+    "dflash": lambda rope, o, request: Read(CachedPlainRead(rope), rope=rope),
+    "window": lambda rope, o, request: Read(lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=o["window"]),
+                                            rope=rope),
+    "fold": _fold,
+    "streaming": lambda rope, o, request: Read(
+        lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"],
+                                              backend=o["backend"]), rope=rope),
+    "yarn": _yarn,
+    "rerope": _rerope,
+    "infllm": lambda rope, o, request: Read(InfLLMRead(rope, window=o["window"], block=o["infllm_block"],
+                                                       init=o["infllm_init"], topk=o["infllm_topk"],
+                                                       repr_topk=o["infllm_repr"]), rope=rope),
+    "cmr": _cmr,
+}
+BUILT = tuple(_BUILDERS)
