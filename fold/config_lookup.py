@@ -29,17 +29,16 @@ stage 2 reads back: ``merge(S) = S * batch * heads_q * n_q * head_dim * 4 B * 2`
 
     time(S)  ~  (kv_bytes + merge(S)) / eff(S)
 
-and :func:`num_splits_for` takes the split count of the declared space that minimises it (the
-fewest on ties), keeping at least :data:`MIN_TILES_PER_SPLIT` key tiles per split. This is
-FlashAttention's wave-efficiency rule with the slot count of the tile instead of the SM count, plus
-the merge traffic that makes many splits lose on short caches.
+and :func:`num_splits_for` takes the split count that minimises it (the fewest on ties) among
+:func:`~fold.kernels.fold_attention.split_counts` (the declared space, at least two key tiles per
+split). This is FlashAttention's wave-efficiency rule with the slot count of the tile instead of the
+SM count, plus the merge traffic that makes many splits lose on short caches.
 
-Against the first H200 tuning run (``tuning/results/h200-2026-11-29-gpu_check.log``; the previous
-stage-1 kernel, 8 warps, one CTA per SM, so ``slots = 132``; Llama-3.1-8B drafter, ``P = 8``): the
-model gives 16 splits at 8K (``eff = 128/132``; 8 splits fill half the GPU, 32 double the merge
-traffic for the same efficiency) and 16 at 128K, and the sweep picked 16 at both. That run tuned one
-program count only; ``python -m tuning tune`` now records, per bucket, the model's split beside the
-best one it timed, so each GPU run checks the model again (``tuning/SPLITS.md``).
+Checked against ``tuning/results/h200-2026-11-29-gpu_check.log`` (a stage-1 kernel of 8 warps, one
+CTA per SM, so ``slots = 132``; Llama-3.1-8B drafter, ``P = 8``): the model gives 16 splits at 8K
+(``eff = 128/132``; 8 splits fill half the GPU, 32 double the merge traffic for the same
+efficiency) and at 128K, the split that sweep picked at both. ``python -m tuning tune`` records, per
+bucket, the model's split beside the best one it timed (``tuning/SPLITS.md``).
 """
 
 from __future__ import annotations
@@ -59,12 +58,14 @@ import torch
 import triton
 
 from fold.kernels import fold_attention as _kernels
-from fold.kernels.fold_attention import SPACE, TILE_FIELDS, FoldConfig
+from fold.kernels.fold_attention import SPACE, TILE_FIELDS, FoldConfig, split_counts
 
 SHIPPED_DIR = Path(__file__).parent / "configs"
 MIN_BUCKET, MAX_BUCKET = 1024, 262144
-MIN_TILES_PER_SPLIT = 2
-SHARED_BYTES_PER_SM = 228 * 1024      # Hopper; a CTA also reserves 1 KiB
+# Hopper (sm_90): 228 KiB of shared memory per SM, of which the system reserves 1 KiB per CTA, so one
+# CTA gets at most 227 KiB (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability")
+SHARED_BYTES_PER_SM = 228 * 1024
+SHARED_RESERVED_PER_CTA = 1024
 MAX_REGISTERS_PER_THREAD = 255        # the static report checks that fold's kernels stay at or below it
 
 
@@ -95,26 +96,37 @@ def length_bucket(max_len: int) -> int:
     return min(MAX_BUCKET, max(MIN_BUCKET, triton.next_power_of_2(max_len)))
 
 
-def shape_key(*, head_dim: int, group: int, n_q: int, dtype: torch.dtype, keys_rotated: bool, max_len: int) -> str:
-    """Shape class of one FOLD read, e.g. ``d128-g4-nq16-bfloat16-unrotated-L32768``."""
+def class_key(*, head_dim: int, group: int, n_q: int, dtype: torch.dtype, keys_rotated: bool) -> str:
+    """Shape class of one FOLD read, without its length bucket: ``d128-g4-nq16-bfloat16-unrotated``."""
     layout = "rotated" if keys_rotated else "unrotated"
     dtype_name = str(dtype).removeprefix("torch.")
-    return f"d{head_dim}-g{group}-nq{triton.next_power_of_2(n_q)}-{dtype_name}-{layout}-L{length_bucket(max_len)}"
+    return f"d{head_dim}-g{group}-nq{triton.next_power_of_2(n_q)}-{dtype_name}-{layout}"
 
 
-def _split_key(key: str) -> tuple[str, int]:
-    head, _, bucket = key.rpartition("-L")
+def shape_key(*, head_dim: int, group: int, n_q: int, dtype: torch.dtype, keys_rotated: bool, max_len: int) -> str:
+    """Cache key of one FOLD read: its class and length bucket, ``d128-g4-nq16-bfloat16-unrotated-L32768``."""
+    cls = class_key(head_dim=head_dim, group=group, n_q=n_q, dtype=dtype, keys_rotated=keys_rotated)
+    return f"{cls}-L{length_bucket(max_len)}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """``(class key, length bucket)`` of a cache key (:func:`shape_key`); ``ValueError`` if it has
+    no ``-L<digits>`` suffix."""
+    head, sep, bucket = key.rpartition("-L")
+    if not sep or not head or not bucket.isdigit():
+        raise ValueError("key must look like 'd128-g4-nq16-bfloat16-unrotated-L32768'")
     return head, int(bucket)
 
 
 def check_key(key) -> str | None:
-    """Why ``key`` is not a shape key (:func:`shape_key`), or ``None``."""
+    """Why ``key`` is not a cache key (:func:`shape_key`), or ``None``."""
     if not isinstance(key, str):
         return f"key must be a string, got {type(key).__name__}"
-    head, sep, bucket = key.rpartition("-L")
-    if not sep or not head or not bucket.isdigit():
-        return "key must look like 'd128-g4-nq16-bfloat16-unrotated-L32768'"
-    if int(bucket) != length_bucket(int(bucket)):
+    try:
+        _, bucket = split_key(key)
+    except ValueError as exc:
+        return str(exc)
+    if bucket != length_bucket(bucket):
         return f"length bucket L{bucket} must be a power of two in [{MIN_BUCKET}, {MAX_BUCKET}]"
     return None
 
@@ -221,11 +233,11 @@ def tuned_tile(key: str, device: str) -> tuple[int, ...] | None:
             continue
         if key in entries:
             return entries[key]
-        head, bucket = _split_key(key)
-        same_class = [k for k in entries if _split_key(k)[0] == head]
+        head, bucket = split_key(key)
+        same_class = [split_key(k)[1] for k in entries if split_key(k)[0] == head]
         if same_class:
-            nearest = min(same_class, key=lambda k: (abs(math.log2(_split_key(k)[1] / bucket)), _split_key(k)[1]))
-            return entries[nearest]
+            nearest = min(same_class, key=lambda b: (abs(math.log2(b / bucket)), b))
+            return entries[f"{head}-L{nearest}"]
     return None
 
 
@@ -250,7 +262,7 @@ def resident_ctas(tile: tuple[int, ...], head_dim: int, elt_bytes: int = 2) -> i
     the kernel uses at most 255 per thread (checked by ``tests/test_kernel_static.py``)."""
     block_m, block_n, num_warps, num_stages = tile
     by_registers = 65536 // (MAX_REGISTERS_PER_THREAD + 1) // (32 * num_warps)
-    shared = shared_bytes_estimate(block_m, block_n, num_stages, head_dim, elt_bytes) + 1024
+    shared = shared_bytes_estimate(block_m, block_n, num_stages, head_dim, elt_bytes) + SHARED_RESERVED_PER_CTA
     return max(1, min(by_registers, SHARED_BYTES_PER_SM // shared))
 
 
@@ -263,15 +275,13 @@ def num_splits_for(*, batch: int, heads_kv: int, n_q: int, group: int, head_dim:
     slots = num_sms * resident_ctas(tile, head_dim, elt_bytes)
     kv_bytes = programs * max_len * 2 * head_dim * elt_bytes
     merge_per_split = batch * heads_kv * group * n_q * head_dim * 4 * 2
-    max_splits = max(1, -(-max_len // block_n) // MIN_TILES_PER_SPLIT)
 
     def cost(splits: int) -> float:
         ctas = programs * splits
         efficiency = ctas / (math.ceil(ctas / slots) * slots)
         return (kv_bytes + merge_per_split * splits) / efficiency
 
-    candidates = [s for s in SPACE["num_splits"] if s <= max_splits] or [1]
-    return min(candidates, key=lambda s: (cost(s), s))
+    return min(split_counts(max_len, block_n), key=lambda s: (cost(s), s))
 
 
 def heuristic_tile(*, rows: int, head_dim: int) -> tuple[int, int, int, int]:

@@ -10,7 +10,7 @@ import fold
 import fold.kernels.fold_attention as kernels
 from fold import config_lookup
 from fold.config_lookup import num_splits_for
-from fold.kernels.fold_attention import SPACE, TILE_FIELDS
+from fold.kernels.fold_attention import MIN_TILES_PER_SPLIT, SPACE, TILE_FIELDS
 from tests.helpers import Case, kwargs_of, make_inputs
 from tuning.__main__ import main as tuning_main
 from tuning.tune import ShapeClass, tune
@@ -243,7 +243,21 @@ def test_the_split_model_keeps_tiles_per_split_on_short_caches():
     tile = (64, 64, 4, 2)
     for length in (64, 300, 1024, 4096):
         splits = num_splits_for(batch=1, heads_kv=8, max_len=length, tile=tile, num_sms=132, **LLAMA)
-        assert splits == 1 or -(-length // 64) // splits >= config_lookup.MIN_TILES_PER_SPLIT
+        assert splits == 1 or -(-length // 64) // splits >= MIN_TILES_PER_SPLIT
+
+
+def test_the_model_and_the_window_launch_pick_from_the_one_split_rule():
+    for length in (64, 300, 4096, 131072):
+        for block_n in (16, 64):
+            counts = kernels.split_counts(length, block_n)
+            assert counts[0] == 1 and set(counts) <= set(SPACE["num_splits"])
+            assert all(s == 1 or -(-length // block_n) // s >= MIN_TILES_PER_SPLIT for s in counts)
+            for heads_kv in (1, 8):
+                tile = (64, block_n, 4, 2)
+                splits = num_splits_for(batch=1, heads_kv=heads_kv, max_len=length, tile=tile, num_sms=132, **LLAMA)
+                assert splits in counts
+                window = kernels.window_splits(splits, length, 2048, 10, block_n)
+                assert window <= splits and window in kernels.split_counts(min(length, 2048 + 19 + block_n), block_n)
 
 
 # --- the tuning CLI (issue 10) ----------------------------------------------------------------------------

@@ -44,11 +44,12 @@ import triton  # noqa: E402
 
 import fold  # noqa: E402
 from fold import config_lookup  # noqa: E402
-from fold.kernels.fold_attention import SPACE, FoldConfig, config_space  # noqa: E402
+from fold.kernels.fold_attention import FoldConfig, config_space, split_counts  # noqa: E402
 from tuning.workloads import DRAFTERS, PROVIDERS, flash_available, fold_call  # noqa: E402
 
 SECTIONS = ("env", "precompile", "verify", "copy_bandwidth", "fused_read", "graphs", "tune", "fused_read_tuned")
-VERIFY_SHAPE = dict(n_q=10, group=4, heads_kv=2, head_dim=128, lengths=(3000, 1234), window=64)
+# the longer sequence takes 128 splits of 16-entry tiles (split_counts), the shorter leaves some empty
+VERIFY_SHAPE = dict(n_q=10, group=4, heads_kv=2, head_dim=128, lengths=(4321, 1234), window=64)
 
 
 def keep_tile(tile) -> bool:
@@ -57,7 +58,8 @@ def keep_tile(tile) -> bool:
     memory. With n_q a runtime argument, one compile per tile then serves every drafter shape."""
     block_m, block_n, num_warps, num_stages = tile
     shared = config_lookup.shared_bytes_estimate(block_m, block_n, num_stages, 128, 2)
-    return block_m == 64 and num_warps in (4, 8) and num_stages in (2, 3, 4) and shared <= 227 * 1024
+    fits = shared + config_lookup.SHARED_RESERVED_PER_CTA <= config_lookup.SHARED_BYTES_PER_SM
+    return block_m == 64 and num_warps in (4, 8) and num_stages in (2, 3, 4) and fits
 
 
 def drafter_classes(drafters, layouts=(False, True)):
@@ -70,8 +72,8 @@ def drafter_classes(drafters, layouts=(False, True)):
         for keys_rotated in layouts:
             cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
                              keys_rotated=keys_rotated, heads_kv=shape.heads_kv, window=shape.window)
-            if cls.key(1024) not in seen:
-                seen.add(cls.key(1024))
+            if cls.class_key not in seen:
+                seen.add(cls.class_key)
                 classes.append(cls)
     return classes
 
@@ -81,11 +83,8 @@ def kept_tiles(rows: int, head_dim: int) -> list[tuple]:
 
 
 def verify_configs(tiles, lengths=VERIFY_SHAPE["lengths"]) -> list[FoldConfig]:
-    """Each tile with every split count of the space that the verify cache can use (the largest
-    leave splits empty on the short sequence)."""
-    longest = max(lengths)
-    return [FoldConfig(t[0], t[1], s, t[2], t[3]) for t in tiles for s in SPACE["num_splits"]
-            if s == 1 or s <= -(-longest // t[1])]
+    """Each tile with every split count fold may launch on the longest verify sequence."""
+    return [FoldConfig(t[0], t[1], s, t[2], t[3]) for t in tiles for s in split_counts(max(lengths), t[1])]
 
 
 def plan(args) -> dict:
@@ -99,9 +98,8 @@ def plan(args) -> dict:
                     checks_per_config=5, budget_s=args.verify_budget_s),
         fused_read=dict(drafters=list(args.drafters), lengths=args.lengths, layouts=["unrotated", "rotated"],
                         providers=["fold", "flash full read", "paper's two-call layout"]),
-        tune=dict(classes=[c.key(0).rsplit("-L", 1)[0] for c in classes], lengths=args.tune_lengths,
-                  tiles_per_class={c.key(0).rsplit("-L", 1)[0]: len(kept_tiles(c.n_q * c.group, c.head_dim))
-                                   for c in classes}),
+        tune=dict(classes=[c.class_key for c in classes], lengths=args.tune_lengths,
+                  tiles_per_class={c.class_key: len(kept_tiles(c.n_q * c.group, c.head_dim)) for c in classes}),
         out=str(args.out),
     )
 
@@ -368,7 +366,7 @@ def main(argv=None) -> int:
                 log(f"  tune: out of time before {cls}")
                 break
             tune([cls], args.tune_lengths, out / "configs", keep_tile=keep_tile, log=log, spills=spill_check)
-            done.append(cls.key(0).rsplit("-L", 1)[0])
+            done.append(cls.class_key)
         return dict(path=str(out / "configs"), classes=done)
 
     section("tune", tune_section, min_left_s=90)

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import triton
 
+from fold.config_lookup import SHARED_BYTES_PER_SM, SHARED_RESERVED_PER_CTA
+
 H200_SMS = 132
 TRITON_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -272,12 +274,13 @@ def report(items: list[Item], *, arch: int = 90, dump: Path | None = None, worke
     return records
 
 
-def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int, *, shared_per_sm: int = 228 * 1024) -> int:
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int, *,
+                shared_per_sm: int = SHARED_BYTES_PER_SM) -> int:
     """CTAs of a kernel one Hopper SM holds at once, by registers (allocated per warp in units of
-    256) and shared memory (plus 1 KiB reserved per CTA)."""
+    256) and shared memory (plus the reservation per CTA)."""
     per_warp = -(-registers * 32 // 256) * 256
     by_registers = 65536 // (per_warp * num_warps)
-    by_shared = shared_per_sm // (shared_bytes + 1024)
+    by_shared = shared_per_sm // (shared_bytes + SHARED_RESERVED_PER_CTA)
     return min(by_registers, by_shared, 32)
 
 

@@ -9,8 +9,9 @@ Per class the sweep runs in two stages, since the tile hardly depends on the len
    for the GPU's architecture, ``tuning/static_report.py``), at one reference length, each with the
    model's split count; the ``top_k`` fastest go on;
 2. per length bucket: those tiles with the model's split count, and the heuristic tile; the fastest
-   is the entry. For the winner, every other split count of the space is timed too and the best one
-   is recorded beside the model's (``"splits"`` in the entry), so each run checks the split model.
+   is the entry. For the winner, every other split count the model can pick at that length
+   (:func:`~fold.kernels.fold_attention.split_counts`) is timed too and the best one is recorded
+   beside the model's (``"splits"`` in the entry), so each run checks the split model.
 
 Timing is injectable: ``timer(config, calls) -> seconds`` where ``calls`` launch the read on
 distinct input copies. :func:`cuda_graph_timer` (the default on a GPU) captures the calls in one
@@ -34,8 +35,8 @@ import triton
 
 import fold
 from fold import config_lookup
-from fold.config_lookup import config_from_tile, heuristic_tile, shape_key
-from fold.kernels.fold_attention import SPACE, TILE_FIELDS, FoldConfig, config_space
+from fold.config_lookup import class_key, config_from_tile, heuristic_tile, shape_key
+from fold.kernels.fold_attention import TILE_FIELDS, FoldConfig, config_space, split_counts
 from tuning.workloads import DrafterShape, fold_call, make_inputs
 
 Timer = Callable[[FoldConfig, Sequence[Callable[[], object]]], float]
@@ -58,6 +59,12 @@ class ShapeClass:
         return shape_key(head_dim=self.head_dim, group=self.group, n_q=self.n_q, dtype=getattr(torch, self.dtype),
                          keys_rotated=self.keys_rotated, max_len=length)
 
+    @property
+    def class_key(self) -> str:
+        """The cache key without its length bucket (classes with the same one share entries)."""
+        return class_key(head_dim=self.head_dim, group=self.group, n_q=self.n_q, dtype=getattr(torch, self.dtype),
+                         keys_rotated=self.keys_rotated)
+
     def drafter(self) -> DrafterShape:
         return DrafterShape("tuned", n_q=self.n_q, heads_q=self.heads_kv * self.group, heads_kv=self.heads_kv,
                             head_dim=self.head_dim, window=self.window)
@@ -72,11 +79,6 @@ class ShapeClass:
 
 def _tiles(configs: Sequence[FoldConfig]) -> list[tuple]:
     return sorted({c.tile for c in configs})
-
-
-def split_counts(length: int, block_n: int) -> list[int]:
-    """Split counts of the space that leave every split at least one key tile."""
-    return [s for s in SPACE["num_splits"] if s == 1 or s <= triton.cdiv(length, block_n)]
 
 
 def plan(cls: ShapeClass, lengths: Sequence[int], top_k: int = 3,

@@ -85,6 +85,8 @@ SPACE = dict(
     num_stages=(1, 2, 3, 4),
 )
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+# A split reads at least this many key tiles (fewer only add merge traffic); see split_counts.
+MIN_TILES_PER_SPLIT = 2
 # The branch that rotates keys holds its key tile, the tile's cos/sin and the rotated tile at once:
 # it reads tiles of at most this many entries (registers, see tuning/static_report.py).
 ROT_BLOCK_N = 32
@@ -106,6 +108,14 @@ def config_space(rows: int, head_dim: int) -> list[FoldConfig]:
     """Every kept configuration for ``rows = n_q * group`` rows of ``head_dim``."""
     points = (FoldConfig(*values) for values in itertools.product(*SPACE.values()))
     return [c for c in points if keep(c, rows, head_dim)]
+
+
+def split_counts(entries: int, block_n: int) -> list[int]:
+    """The split counts of the space for reading ``entries`` keys in ``block_n`` tiles: those that
+    leave every split at least :data:`MIN_TILES_PER_SPLIT` tiles (and 1). The one rule for the split
+    model (:func:`fold.config_lookup.num_splits_for`), the window launch, the tuner and the GPU check."""
+    most = max(1, triton.cdiv(entries, block_n) // MIN_TILES_PER_SPLIT)
+    return [s for s in SPACE["num_splits"] if s <= most]
 
 
 @triton.jit
@@ -531,9 +541,9 @@ def fold_fwd_kernel_stage2(
 
 def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n: int) -> int:
     """Splits of the window launch: as many as the far memory's (it runs alone, so it should fill the
-    GPU as that does), but at least two tiles each."""
+    GPU as that does), within :func:`split_counts` of its entries."""
     entries = min(max_len, window + 2 * n_q - 1 + block_n)   # the window and its alignment to a tile
-    return max(1, min(num_splits, -(-entries // (2 * block_n))))
+    return max(s for s in split_counts(entries, block_n) if s <= max(1, num_splits))
 
 
 def cache_len(k, block_table=None) -> int:
