@@ -160,21 +160,60 @@ def _qwen3_rope(config: dict, path: Path) -> fold.Rope:
         raise ValueError(f"{path}/config.json: cannot build the drafter's RoPE from its fields ({e})") from None
 
 
-def read_config(path: Path, target_config) -> DrafterConfig:
-    """Detect the format and resolve every field with the fallbacks seen across checkpoint revisions."""
-    config = read_json(path / "config.json")
+def _drafter_format(config: dict, path: Path) -> tuple[str, dict]:
+    """``("zlab" | "Qwen3DSparkModel" | "Gemma4DSparkModel", dflash_config)``; anything else is refused by name."""
     arch = architecture(config, path)
     if arch == "DFlash2DraftModel":
         raise ValueError(f"{path}: DFlash2 checkpoints (DFlash2DraftModel: conv layers, candidate selector) "
                          "are not supported")
     dflash = _dflash_config(config, path)
     if arch == "DFlashDraftModel" or (arch is None and dflash):
-        fmt = "zlab"
-    elif arch in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
-        fmt = arch
-    else:
-        raise ValueError(f"{path}: unknown drafter architecture {arch!r}; supported: 'DFlashDraftModel' "
-                         "(z-lab DFlash), 'Qwen3DSparkModel' and 'Gemma4DSparkModel' (DeepSpec DFlash / DSpark)")
+        return "zlab", dflash
+    if arch in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
+        return arch, dflash
+    raise ValueError(f"{path}: unknown drafter architecture {arch!r}; supported: 'DFlashDraftModel' "
+                     "(z-lab DFlash), 'Qwen3DSparkModel' and 'Gemma4DSparkModel' (DeepSpec DFlash / DSpark)")
+
+
+def _gemma4_fields(config: dict, target_config, hidden: int, path: Path) -> dict:
+    """The ``DrafterConfig`` fields of DeepSpec's ``Gemma4DSparkModel`` block beyond the common ones."""
+    # DeepSpec builds this config from a copy of the target's, so fields of the target's own
+    # layers come along (hidden_size_per_layer_input, vocab_size_per_layer_input): the block
+    # reads neither, and they are ignored here as there. A MoE block would change the layers.
+    if config.get("enable_moe_block"):
+        raise ValueError(f"{path}/config.json: enable_moe_block={config['enable_moe_block']!r} is not supported "
+                         "by Gemma4DSparkModel (DeepSpec's block has no MoE)")
+    act = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{path}/config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    head_dim = _int(_require(config, "global_head_dim", path), "global_head_dim", path, 2)
+    k_eq_v = bool(config.get("attention_k_eq_v", False))
+    kv_name = "num_global_key_value_heads" if k_eq_v else "num_key_value_heads"
+    heads_kv = _int(_require(config, kv_name, path), kv_name, path, 1)
+    cap = config.get("final_logit_softcapping")
+    return dict(heads_kv=heads_kv, head_dim=head_dim, style="gemma4", softmax_scale=1.0,
+                embed_scale=math.sqrt(hidden), k_eq_v=k_eq_v, hidden_act=act,
+                logit_softcap=None if cap is None else _number(cap, "final_logit_softcapping", path),
+                rope=_gemma4_rope(config, target_config, head_dim, path))
+
+
+def _qwen3_fields(config: dict, dflash: dict, hidden: int, heads_q: int, path: Path) -> dict:
+    """The ``DrafterConfig`` fields of a Qwen3-style block (z-lab DFlash, DeepSpec ``Qwen3DSparkModel``)."""
+    heads_kv = _int(config.get("num_key_value_heads", heads_q), "num_key_value_heads", path, 1)
+    head_dim = _int(config.get("head_dim") or hidden // heads_q, "head_dim", path, 2)
+    cap = dflash.get("final_logit_softcapping")
+    return dict(heads_kv=heads_kv, head_dim=head_dim, rope=_qwen3_rope(config, path),
+                embed_scale=_number(dflash.get("input_embedding_scale", 1.0), "dflash_config.input_embedding_scale",
+                                    path),
+                logit_multiplier=_number(dflash.get("output_multiplier", 1.0), "dflash_config.output_multiplier",
+                                         path),
+                logit_softcap=None if cap is None else _number(cap, "dflash_config.final_logit_softcapping", path))
+
+
+def read_config(path: Path, target_config) -> DrafterConfig:
+    """Detect the format and resolve every field with the fallbacks seen across checkpoint revisions."""
+    config = read_json(path / "config.json")
+    fmt, dflash = _drafter_format(config, path)
     deepspec = fmt != "zlab"
     gemma = fmt == "Gemma4DSparkModel"
     markov_rank = _int(config.get("markov_rank") or 0, "markov_rank", path, 0) if deepspec else 0
@@ -209,35 +248,10 @@ def read_config(path: Path, target_config) -> DrafterConfig:
                   sample_from_anchor=deepspec, markov_rank=markov_rank, has_embeddings=deepspec,
                   layer_windows=windows, layer_causal=causal)
     if gemma:
-        # DeepSpec builds this config from a copy of the target's, so fields of the target's own
-        # layers come along (hidden_size_per_layer_input, vocab_size_per_layer_input): the block
-        # reads neither, and they are ignored here as there. A MoE block would change the layers.
-        if config.get("enable_moe_block"):
-            raise ValueError(f"{path}/config.json: enable_moe_block={config['enable_moe_block']!r} is not supported "
-                             "by Gemma4DSparkModel (DeepSpec's block has no MoE)")
-        act = config.get("hidden_activation", "gelu_pytorch_tanh")
-        if act != "gelu_pytorch_tanh":
-            raise ValueError(f"{path}/config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-        head_dim = _int(_require(config, "global_head_dim", path), "global_head_dim", path, 2)
-        k_eq_v = bool(config.get("attention_k_eq_v", False))
-        kv_name = "num_global_key_value_heads" if k_eq_v else "num_key_value_heads"
-        heads_kv = _int(_require(config, kv_name, path), kv_name, path, 1)
-        cap = config.get("final_logit_softcapping")
-        cfg = DrafterConfig(**common, heads_kv=heads_kv, head_dim=head_dim, style="gemma4", softmax_scale=1.0,
-                            embed_scale=math.sqrt(hidden), k_eq_v=k_eq_v, hidden_act=act,
-                            logit_softcap=None if cap is None else _number(cap, "final_logit_softcapping", path),
-                            rope=_gemma4_rope(config, target_config, head_dim, path))
+        cfg = DrafterConfig(**common, **_gemma4_fields(config, target_config, hidden, path))
     else:
-        heads_kv = _int(config.get("num_key_value_heads", heads_q), "num_key_value_heads", path, 1)
-        head_dim = _int(config.get("head_dim") or hidden // heads_q, "head_dim", path, 2)
-        cap = dflash.get("final_logit_softcapping")
-        cfg = DrafterConfig(**common, heads_kv=heads_kv, head_dim=head_dim, rope=_qwen3_rope(config, path),
-                            embed_scale=_number(dflash.get("input_embedding_scale", 1.0),
-                                                "dflash_config.input_embedding_scale", path),
-                            logit_multiplier=_number(dflash.get("output_multiplier", 1.0),
-                                                     "dflash_config.output_multiplier", path),
-                            logit_softcap=None if cap is None else
-                            _number(cap, "dflash_config.final_logit_softcapping", path))
+        cfg = DrafterConfig(**common, **_qwen3_fields(config, dflash, hidden, heads_q, path))
+    head_dim = cfg.head_dim
     if heads_q % cfg.heads_kv:
         raise ValueError(f"{path}/config.json: num_attention_heads={heads_q} must be a multiple of the key/value "
                          f"heads ({cfg.heads_kv})")
