@@ -3,8 +3,9 @@
 Builds a random Qwen3.5-shaped target (Gated DeltaNet + full attention) and a Gemma-4-shaped one
 (sliding + full attention) from configs, at the widths of the paper's targets but with few layers,
 and times one verification round of ``--block`` tokens with its rollback: the verification forward,
-the state copy ``_hf.forward`` makes before it, and the rollback ``_hf.crop`` after it, for an
-all-rejected round (the longest replay: the anchor alone is kept) and a half-accepted one. Prints
+the state copy ``TargetSession.forward`` makes before it, and the rollback ``TargetSession.crop``
+after it, for an all-rejected round (the longest replay: the anchor alone is kept) and a
+half-accepted one. Prints
 bytes per layer and milliseconds, and the per-sequence copy for the full-size models.
 """
 
@@ -59,13 +60,14 @@ def measure(config, *, prompt: int, block: int, repeats: int, dtype):
     rows = {}
     for kept in (1, block // 2, block):
         def round_trip(kept=kept):
-            _, _, cache = _hf.forward(model, ids)
+            session = _hf.TargetSession(model)
+            session.forward(ids)
             t0 = time.perf_counter()
-            _hf.forward(model, verify, cache)
+            session.forward(verify)
             t1 = time.perf_counter()
-            _hf.crop(cache, prompt + kept)
+            session.crop(prompt + kept)
             t2 = time.perf_counter()
-            return t1 - t0, t2 - t1, cache
+            return t1 - t0, t2 - t1, session.cache
         times = [round_trip() for _ in range(repeats)]
         rows[kept] = (1e3 * min(t[0] for t in times), 1e3 * min(t[1] for t in times))
         cache = times[-1][2]
