@@ -74,6 +74,9 @@ def test_shared_prefill_changes_no_token_and_runs_each_prompt_once(target, draft
     finally:
         hook.remove()
     assert sum(1 for n in calls if n == 40) == 1                    # one prompt forward for six sequences
+    last_only = spec.generate(target, drafter, ids, max_new_tokens=12, policy="fold", window=8,
+                              prefill=spec.Prefills(target, keep=1, last_logits_only=True))
+    assert torch.equal(last_only.sequences, runs[0].sequences)
     fresh = [spec.generate(target, drafter, ids, max_new_tokens=12, policy=p, window=8) for p in ("fold", "dflash")]
     fresh.append(spec.autoregressive(target, ids, max_new_tokens=12))
     for got, want in zip(runs, fresh):

@@ -139,8 +139,9 @@ class TargetSession:
         logits, hidden_states = self.forward(ids[None])
         return logits[0, -1], hidden_states
 
-    def forward(self, ids, position_ids=None, rollback: bool = True):
-        """``target(ids)`` on this session's cache -> ``(logits [B, T, V], hidden_states tuple)``.
+    def forward(self, ids, position_ids=None, rollback: bool = True, last_logits_only: bool = False):
+        """``target(ids)`` on this session's cache -> ``(logits [B, T, V], hidden_states tuple)``
+        (``[B, 1, V]`` with ``last_logits_only``: transformers' ``logits_to_keep=1``).
 
         With ``rollback`` (a verification) the sliding and linear-attention layers record this
         forward and the linear layers' states are copied first, so that :meth:`crop` can drop any
@@ -150,6 +151,8 @@ class TargetSession:
         kwargs = {_cache_kwarg(type(self.target).forward): cache} if cache is not None else {}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
+        if last_logits_only:
+            kwargs["logits_to_keep"] = 1
         snapshots = {}
         if cache is not None:
             if self._replay is not None or any(getattr(layer, "record_past", False) for layer in _layers(cache)):
@@ -194,19 +197,30 @@ class Prefills:
     ``spec.autoregressive``'s ``prefill=``): each prompt is run once and every later run starts from a
     copy of its cache, so rows, policies and drafters compared on the same prompts pay one prefill
     (TPOT excludes it, so no number changes). ``keep`` bounds the prompts held (oldest dropped
-    first; None keeps all)."""
+    first; None keeps all); ``last_logits_only`` runs the prompt with ``logits_to_keep=1`` (the loop
+    reads the last row; a long prompt's full logits are large) for targets that take it.
 
-    def __init__(self, target, keep: int | None = None):
+    Example::
+
+        >>> shared = spec.Prefills(target)
+        >>> ar = spec.autoregressive(target, ids, max_new_tokens=64, prefill=shared)
+        >>> runs = {p: spec.generate(target, drafter, ids, max_new_tokens=64, policy=p, prefill=shared)
+        ...         for p in ("dflash", "fold")}                  # one prompt forward per prompt in all
+    """
+
+    def __init__(self, target, keep: int | None = None, last_logits_only: bool = False):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive int or None, got {keep!r}")
-        self.target, self.keep = target, keep
+        if not isinstance(last_logits_only, bool):
+            raise TypeError(f"last_logits_only must be a bool, got {type(last_logits_only).__name__}")
+        self.target, self.keep, self.last_logits_only = target, keep, last_logits_only
         self._held: dict[tuple, tuple] = {}       # prompt -> (last logits, hidden_states, cache)
 
     def prefill(self, session: TargetSession, ids) -> tuple[torch.Tensor, tuple]:
         key = tuple(ids.tolist())
         if key not in self._held:
             fresh = TargetSession(self.target)
-            logits, hidden_states = fresh.forward(ids[None])
+            logits, hidden_states = fresh.forward(ids[None], last_logits_only=self.last_logits_only)
             if self.keep is not None and len(self._held) >= self.keep:
                 self._held.pop(next(iter(self._held)))
             self._held[key] = (logits[0, -1].clone(), hidden_states, fresh.cache)
