@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from fold.masked import masked_attention
 from fold.merge import merge_into, merge_pair
 from fold.rope import rotate, rotate_with, work_dtype
 
@@ -125,15 +126,6 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, rope=None, inverse: 
     return state
 
 
-def _masked_read(q, k, v, scale, visible):
-    """Explicit attention for a few entries: q [H, M, d], k, v [H, N, d], visible [M, N] bool."""
-    s = torch.einsum("hmd,hnd->hmn", q, k) * scale
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                         # [H, M]
-    p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
-    return p @ v, lse
-
-
 def _rotate_rows(qm, start, rope, factor, per_row=True):
     """``qm [Hkv, n_q, group, d]`` (work dtype) rotated at ``start + r`` for row r (``start`` for every
     row without ``per_row``) with ``factor`` -> ``[Hkv, n_q * group, d]``; tables from :meth:`Rope.cos_sin`."""
@@ -208,7 +200,7 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
             km, vm = cache.rows(a, c)
             km, vm = km.transpose(0, 1).to(work), vm.transpose(0, 1).to(work)            # [Hkv, c - a, d]
             k_far = rotate(km, -jm, rope, factor=1.0) if keys_rotated else km
-            far = merge_pair(*far, *_masked_read(q_far, k_far, vm, alpha * softmax_scale, ~in_window))
+            far = merge_pair(*far, *masked_attention(q_far, k_far, vm, ~in_window, alpha * softmax_scale))
         o, lse = merge_pair(*win, far[0], far[1] / alpha)                              # [Hkv, M, d], [Hkv, M]
         out[b] = _unpack(o, n_q)
         if return_lse:
@@ -229,8 +221,8 @@ def tree_attention_torch(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_s
     for b, length in enumerate(seqlens):
         qm = _pack(q[b], heads_kv).to(work)
         cached = _read(qm, _Cache(k_cache, v_cache, b, block_table), 0, length, softmax_scale)
-        tree = _masked_read(qm, k_tree[b].transpose(0, 1).to(work), v_tree[b].transpose(0, 1).to(work),
-                            softmax_scale, tree_mask[b][node])
+        tree = masked_attention(qm, k_tree[b].transpose(0, 1).to(work), v_tree[b].transpose(0, 1).to(work),
+                                tree_mask[b][node], softmax_scale)
         o, lse = merge_pair(*cached, *tree)
         out[b] = _unpack(o, n_tree)
         if return_lse:

@@ -35,6 +35,7 @@ from typing import ClassVar
 import torch
 
 import fold
+from fold.masked import masked_attention
 from fold.vllm.compat import (
     AttentionBackend,
     AttentionImpl,
@@ -236,8 +237,7 @@ def window_state(q, k_pages, v_pages, seq_lens, block_table, *, window, scale):
     ``D + n_q - 1`` newest entries per sequence. Returns ``(o [batch, n_q, Hq, d] in q's dtype,
     lse [batch, n_q, Hq] float32)``."""
     batch, n_q, heads_q, head_dim = q.shape
-    page_size, heads_kv = k_pages.shape[1], k_pages.shape[2]
-    group = heads_q // heads_kv
+    page_size = k_pages.shape[1]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     d_pos = window + n_q
     outs, lses = [], []
@@ -245,13 +245,11 @@ def window_state(q, k_pages, v_pages, seq_lens, block_table, *, window, scale):
         n = length - n_q
         j = torch.arange(max(0, n - d_pos + 1), length, device=q.device)
         pages = block_table[b, j // page_size].long()
-        k = k_pages[pages, j % page_size].to(work).repeat_interleave(group, dim=1)        # [N, Hq, d]
-        v = v_pages[pages, j % page_size].to(work).repeat_interleave(group, dim=1)
-        s = torch.einsum("rhd,jhd->hrj", q[b].to(work), k) * scale                       # [Hq, n_q, N]
+        k = k_pages[pages, j % page_size].transpose(0, 1).to(work)                     # [Hkv, N, d]
+        v = v_pages[pages, j % page_size].transpose(0, 1).to(work)
         r = torch.arange(n_q, device=q.device)
-        s = s.masked_fill(~(j[None, :] > (n + r - d_pos)[:, None]), float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                                  # [Hq, n_q]
-        o = torch.einsum("hrj,jhd->rhd", torch.softmax(s, dim=-1), v)
-        outs.append(o.to(q.dtype))
+        visible = j[None, :] > (n + r - d_pos)[:, None]                                 # [n_q, N]
+        o, lse = masked_attention(q[b].transpose(0, 1).to(work), k, v, visible, scale)   # [Hq, n_q, d], [Hq, n_q]
+        outs.append(o.transpose(0, 1).to(q.dtype))
         lses.append(lse.transpose(0, 1).to(torch.float32))
     return torch.stack(outs), torch.stack(lses)
