@@ -48,8 +48,9 @@ def test_every_launch_for_the_drafter_shapes_compiles_without_spills(report):
     # the largest split count of the space is launched (one KV head, batch 1)
     assert max(r["config"]["num_splits"] for r in records if r["kernel"] == "stage1[far]") == 128
     assert {r["keys_rotated"] for r in records} == {False, True}
-    assert {r["kernel"] for r in records} == {"prologue", "stage1[window]", "stage1[far]", "stage2", "tree/prologue",
-                                              "tree/stage1[window]", "tree/stage2", "tree_fwd_kernel"}
+    # fold.tree_attention's cached read is a plain read: no prologue
+    assert {r["kernel"] for r in records} == {"prologue", "stage1[window]", "stage1[far]", "stage2",
+                                              "tree/stage1[plain]", "tree/stage2", "tree_fwd_kernel"}
     spilling = [static_report.format_row(r) for r in records if r["spill_stores"] or r["spill_loads"]]
     assert not spilling, "\n".join(spilling)
     assert returncode == 0
@@ -63,7 +64,7 @@ def test_records_carry_the_documented_fields_and_the_cubins_are_dumped(report):
         assert r["arch"] == "sm_90" and 0 < r["registers"] <= 255
         assert (dump / r["cubin"]).stat().st_size > 0
     # the stage-1 loops run on Hopper's warpgroup MMA
-    assert all(r["wgmma"] > 0 for r in records if r["kernel"].endswith(("stage1[far]", "stage1[window]")))
+    assert all(r["wgmma"] > 0 for r in records if "stage1[" in r["kernel"])
 
 
 def test_stage1_holds_the_ctas_per_sm_the_split_model_assumes(report):

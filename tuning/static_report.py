@@ -198,7 +198,8 @@ def launched_config(shape, length: int, keys_rotated: bool, *, n_q: int | None =
 
 def _kernel_name(launch: Launch) -> str:
     if launch.name == "fold_fwd_kernel_stage1":
-        return f"stage1[{'window' if launch.kwargs['IS_WINDOW'] else 'far'}]"
+        kw = launch.kwargs
+        return f"stage1[{'plain' if kw['PLAIN'] else 'window' if kw['IS_WINDOW'] else 'far'}]"
     return launch.name.removeprefix("fold_fwd_kernel_")
 
 

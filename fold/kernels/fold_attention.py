@@ -32,6 +32,10 @@ prologue's table) and joins them back into one tile. Every angle is reduced exac
 a float32 polynomial (:func:`_cos_sin`): no libdevice ``sin``/``cos``, so no slow path with a local
 array, and both key layouts see exact angles at any context length.
 
+:func:`plain_attention_fwd` is the plain read (every row over every valid entry, queries and keys
+as given: ``fold.tree_attention``'s cached read): one stage-1 launch (``PLAIN``: no prologue, q read
+in place and scaled in the program, the far memory's loop over ``[0, L)``) and stage 2.
+
 Partial LSEs are base 2 (logits carry ``log2(e)``); stage 2 converts to natural log once, at the
 output. An empty state is ``(0, -inf)``; guards test exact zeros, so a NaN in a valid input reaches
 the output as it does in the reference. ``tuning/static_report.py`` (``python -m tuning inspect``)
@@ -164,6 +168,16 @@ def _pair_columns(ROT_HALF: tl.constexpr, PASS: tl.constexpr, HEAD_DIM: tl.const
 
 
 @triton.jit
+def program_rows(pid, heads_kv, rows, GROUP: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+    # program pid of a (batch, KV head, row tile) grid -> i_b, i_kvh, its rows o_m = r * GROUP + h
+    # [BM], their mask (o_m < rows), draft row o_r and query head i_hq
+    i_b = (pid // (heads_kv * M_TILES)).to(tl.int64)
+    i_kvh = ((pid // M_TILES) % heads_kv).to(tl.int64)
+    o_m = (pid % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return i_b, i_kvh, o_m, o_m < rows, o_m // GROUP, i_kvh * GROUP + (o_m % GROUP)
+
+
+@triton.jit
 def _rotate_store(p_out, qa, qb, pos, freq, scale, col_a, col_b, m_a, m_b, m_row, m_store,
                   PAIR_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     # qa, qb: [BM, HALF_P] the pair halves; writes R_pos q * scale as one [BM, BLOCK_D] row block
@@ -202,13 +216,7 @@ def fold_fwd_kernel_prologue(
     HALF_P: tl.constexpr = BLOCK_D // 2
     EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
     i_bhm = tl.program_id(0)
-    i_b = (i_bhm // (heads_kv * M_TILES)).to(tl.int64)
-    i_kvh = ((i_bhm // M_TILES) % heads_kv).to(tl.int64)
-    i_mt = i_bhm % M_TILES
-    o_m = i_mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_row = o_m < n_q * GROUP
-    o_r = o_m // GROUP
-    i_hq = i_kvh * GROUP + (o_m % GROUP)
+    i_b, i_kvh, o_m, m_row, o_r, i_hq = program_rows(i_bhm, heads_kv, n_q * GROUP, GROUP, M_TILES, BLOCK_M)
     col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
     freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)         # [HALF_P], 0 for pass-through
     o_c = tl.arange(0, HALF_P)
@@ -296,17 +304,23 @@ def _row_offsets(o_n, m_n, p_table, stride_kb, stride_kn, stride_vb, stride_vn, 
 
 
 @triton.jit
-def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn, lo, hi, o_ws, o_d,
-            m_d, col_a, col_b, m_a, m_b, freq, Trig,
-            MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, EVEN_PAIRS: tl.constexpr,
-            INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn, lo, hi, o_ws,
+            InvFreq, Trig, MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
     # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] scaled, in the key
     # tile's column order; o_ws [BM]: the row's first window entry. Unmasked (MASKED=False) only where
     # every entry of every tile is valid and in this branch for every row.
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
     HALF_P: tl.constexpr = BLOCK_D // 2
     o_i = tl.arange(0, BLOCK_N)
     if ROTATE:
+        col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
+        freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)      # [HALF_P], 0 for pass-through
         o_c = tl.arange(0, HALF_P)
         p_trig = Trig + o_i[:, None] * HALF_P + o_c[None, :]
     for t0 in range(lo, hi, BLOCK_N):
@@ -375,30 +389,22 @@ def fold_fwd_kernel_stage1(
     stride_tb,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
-    heads_kv, n_q, max_len, window, num_splits, state_offset,
+    heads_kv, n_q, max_len, window, num_splits, state_offset, q_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
-    ROTATE: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr, M_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROTATE: tl.constexpr, PLAIN: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # one branch (IS_WINDOW or the far memory) over its entries of one sequence, split in num_splits
-    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. With PAGE_SIZE > 0,
-    # K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable [B, max_blocks] maps a
-    # sequence's entry j to page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
-    HALF_P: tl.constexpr = BLOCK_D // 2
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
+    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. Q is the prologue's
+    # [B, Hkv, rows, BLOCK_D] (stride_qm per row m); with PLAIN, a plain read: every row reads every
+    # entry [0, L), Q is the caller's [B, n_q, Hq, d] (stride_qm per draft row), scaled by q_scale
+    # here. With PAGE_SIZE > 0, K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable
+    # [B, max_blocks] maps a sequence's entry j to page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
     i_bhm = tl.program_id(0)
     i_split = tl.program_id(1)
-    i_b = (i_bhm // (heads_kv * M_TILES)).to(tl.int64)
-    i_kvh = ((i_bhm // M_TILES) % heads_kv).to(tl.int64)
-    i_mt = i_bhm % M_TILES
-
-    # rows of this program: m = r * GROUP + h
-    o_m = i_mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_row = o_m < n_q * GROUP
-    o_r = o_m // GROUP
-    i_hq = i_kvh * GROUP + (o_m % GROUP)
+    i_b, i_kvh, o_m, m_row, o_r, i_hq = program_rows(i_bhm, heads_kv, n_q * GROUP, GROUP, M_TILES, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
 
@@ -407,14 +413,20 @@ def fold_fwd_kernel_stage1(
     else:
         seq_len = max_len
     n_ctx = seq_len - n_q
-    win_lo = n_ctx - window - n_q + 1       # row r's window starts at win_lo + r
-    o_ws = win_lo + o_r                     # [BM]
-    if IS_WINDOW:                           # window: [win_lo, L), from a BLOCK_N-aligned start
-        lo = tl.maximum(win_lo, 0) // BLOCK_N * BLOCK_N
-        hi = seq_len
-    else:                                   # far memory: entries < n - W are far for at least one row
+    if PLAIN:                               # [0, L) for every row: far memory whose window starts at L
+        win_lo = seq_len
+        o_ws = seq_len + 0 * o_r
         lo = 0
-        hi = tl.maximum(n_ctx - window, 0)
+        hi = seq_len
+    else:
+        win_lo = n_ctx - window - n_q + 1   # row r's window starts at win_lo + r
+        o_ws = win_lo + o_r                 # [BM]
+        if IS_WINDOW:                       # window: [win_lo, L), from a BLOCK_N-aligned start
+            lo = tl.maximum(win_lo, 0) // BLOCK_N * BLOCK_N
+            hi = seq_len
+        else:                               # far memory: entries < n - W are far for at least one row
+            lo = 0
+            hi = tl.maximum(n_ctx - window, 0)
     # this split's share of the branch's tiles: balanced to one tile
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     start = lo + (i_split * n_tiles // num_splits) * BLOCK_N
@@ -423,10 +435,13 @@ def fold_fwd_kernel_stage1(
     i_state = state_offset + i_split
     p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + o_r * stride_lr + i_state
     if end > start:
-        col_a, col_b, m_a, m_b, is_rot = _pair_columns(ROT_HALF, PASS, HEAD_DIM, HALF_P, INTERLEAVED)
-        freq = tl.load(InvFreq + tl.arange(0, HALF_P), mask=is_rot, other=0.0)
-        q = tl.load(Q + i_b * stride_qb + i_kvh * stride_qh + o_m[:, None] * stride_qm + o_d[None, :],
-                    mask=m_row[:, None], other=0.0)
+        if PLAIN:
+            q = tl.load(Q + i_b * stride_qb + o_r[:, None] * stride_qm + i_hq[:, None] * stride_qh + o_d[None, :],
+                        mask=m_row[:, None] & m_d[None, :], other=0.0)
+            q = (q.to(tl.float32) * q_scale).to(tl.float32 if UPCAST else K.dtype.element_ty)
+        else:
+            q = tl.load(Q + i_b * stride_qb + i_kvh * stride_qh + o_m[:, None] * stride_qm + o_d[None, :],
+                        mask=m_row[:, None], other=0.0)
         if PAGE_SIZE == 0:
             p_k0 = K + i_b * stride_kb + i_kvh * stride_kh
             p_v0 = V + i_b * stride_vb + i_kvh * stride_vh
@@ -437,22 +452,17 @@ def fold_fwd_kernel_stage1(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # the far memory is unmasked up to the last whole tile below win_lo; the window is masked throughout
         if IS_WINDOW:
             mid = start
-        else:                               # unmasked up to the last whole tile below win_lo
+        else:
             mid = start + tl.maximum(tl.minimum(end, win_lo) - start, 0) // BLOCK_N * BLOCK_N
-            m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
-                                    stride_vn, start, mid, o_ws, o_d, m_d, col_a, col_b, m_a, m_b, freq, Trig,
-                                    MASKED=False, IS_WINDOW=False, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-                                    BLOCK_D=BLOCK_D, EVEN_D=EVEN_D,
-                                    EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
-                                    DOT_PRECISION=DOT_PRECISION)
-        m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn,
-                                mid, end, o_ws, o_d, m_d, col_a, col_b, m_a, m_b, freq, Trig, MASKED=True,
-                                IS_WINDOW=IS_WINDOW, ROTATE=ROTATE, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-                                BLOCK_D=BLOCK_D,
-                                EVEN_D=EVEN_D, EVEN_PAIRS=EVEN_PAIRS, INTERLEAVED=INTERLEAVED, UPCAST=UPCAST,
-                                DOT_PRECISION=DOT_PRECISION)
+        for masked in tl.static_range(2):   # [start, mid) unmasked, then [mid, end) masked
+            if masked or not IS_WINDOW:
+                m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
+                                        stride_vn, mid if masked else start, end if masked else mid, o_ws, InvFreq,
+                                        Trig, masked, IS_WINDOW, ROTATE, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                        ROT_HALF, PASS, INTERLEAVED, UPCAST, DOT_PRECISION)
         p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os
                + o_d[None, :])
         _store_state(p_o, p_l, m_i, l_i, acc, m_row[:, None] & m_d[None, :], m_row)
@@ -569,7 +579,6 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
-    page_size = k.shape[1] if block_table is not None else 0
     max_len = cache_len(k, block_table)
     group = heads_q // heads_kv
     rows = n_q * group
@@ -580,7 +589,6 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     block_n_win = config.block_n if keys_rotated else min(config.block_n, ROT_BLOCK_N)
     far_splits = config.num_splits if max_len - n_q - window > 0 else 0
     win_splits = window_splits(config.num_splits, max_len, window, n_q, block_n_win)
-    states = far_splits + win_splits
     # the rotary factor f scales q and k alike: q carries f for itself (unless it arrives rotated) and,
     # with unrotated keys, for the key too (a rotated cache holds it; un-rotating is a pure rotation)
     q_rot_scale = (1.0 if queries_rotated else attention_factor) * (1.0 if keys_rotated else attention_factor)
@@ -593,15 +601,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     qw = torch.empty(batch, heads_kv, rows, block_d, device=q.device, dtype=torch.float32 if upcast else k.dtype)
     qf = torch.empty_like(qw)
     trig = torch.empty(2, rot_block_n, block_d // 2, device=q.device, dtype=torch.float32)
-    o_part = torch.empty(batch, heads_q, n_q, states, head_dim, device=q.device, dtype=torch.float32)
-    # rows of 16-multiple length: its strides (kernel arguments) keep one alignment class for any split count
-    lse_part = torch.empty(batch, heads_q, n_q, triton.cdiv(states, 16) * 16, device=q.device, dtype=torch.float32)
-    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
-    lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
+    o_part, lse_part = _partial_states(q, far_splits + win_splits)
     seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointers when unused
-    table = block_table if block_table is not None else lse_part
-    inv_freq = inv_freq if rotary_dim else torch.zeros(1, device=q.device, dtype=torch.float32)
-
     fold_fwd_kernel_prologue[(batch * heads_kv * m_tiles,)](
         q, inv_freq, seqlens, qw, qf, trig,
         q.stride(0), q.stride(1), q.stride(2),
@@ -612,30 +613,80 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     )
     for is_window, q_branch, splits, offset, block_n in (
             (True, qw, win_splits, far_splits, block_n_win), (False, qf, far_splits, 0, block_n_far)):
-        if not splits:
-            continue
-        fold_fwd_kernel_stage1[(batch * heads_kv * m_tiles, splits)](
-            q_branch, k, v, inv_freq, trig, seqlens, table, o_part, lse_part,
-            q_branch.stride(0), q_branch.stride(1), q_branch.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            table.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            heads_kv, n_q, max_len, window, splits, offset,
-            **consts, IS_WINDOW=is_window, ROTATE=is_window != keys_rotated, PAGE_SIZE=page_size, BLOCK_N=block_n,
-            UPCAST=upcast,
-            DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        if splits:
+            _stage1(q_branch, (q_branch.stride(0), q_branch.stride(1), q_branch.stride(2)), k, v, inv_freq, trig,
+                    cache_seqlens, block_table, o_part, lse_part, config, window=window, splits=splits,
+                    state_offset=offset, q_scale=1.0, consts=dict(consts, IS_WINDOW=is_window,
+                                                                  ROTATE=is_window != keys_rotated, BLOCK_N=block_n))
+    return _stage2(o_part, lse_part, q, far_splits, 1.0 / alpha, out_dtype=out_dtype, return_lse=return_lse,
+                   lse_base2=lse_base2)
+
+
+def plain_attention_fwd(q, k, v, cache_seqlens, *, softmax_scale, config: FoldConfig, out_dtype=None,
+                        block_table=None, return_lse=True, lse_base2=False):
+    """A plain read: every row of ``q`` attends to every valid cache entry, queries and keys as
+    given (no RoPE, no prologue), stage 1 split in ``config.num_splits`` and stage 2. Shapes and
+    options as in :func:`fold_attention_fwd`; returns ``(out, lse or None)``."""
+    batch, n_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[2]
+    group = heads_q // heads_kv
+    m_tiles = triton.cdiv(n_q * group, config.block_m)
+    o_part, lse_part = _partial_states(q, config.num_splits)
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), ROT_HALF=0,
+                  PASS=head_dim, INTERLEAVED=False, HAS_SEQLENS=cache_seqlens is not None, M_TILES=m_tiles,
+                  BLOCK_M=config.block_m, IS_WINDOW=False, ROTATE=False, BLOCK_N=config.block_n)
+    # q read in place: rows r * GROUP + h at (b, r, kvh * GROUP + h), so the row stride is the draft row's
+    _stage1(q, (q.stride(0), q.stride(2), q.stride(1)), k, v, lse_part, lse_part, cache_seqlens, block_table,
+            o_part, lse_part, config, window=0, splits=config.num_splits, state_offset=0,
+            q_scale=softmax_scale * LOG2E, consts=dict(consts, PLAIN=True))
+    return _stage2(o_part, lse_part, q, 0, 1.0, out_dtype=out_dtype, return_lse=return_lse, lse_base2=lse_base2)
+
+
+def _partial_states(q, states: int):
+    """Stage 1's outputs for ``states`` states per row: o [B, Hq, n_q, states, d], lse [B, Hq, n_q, >= states]."""
+    batch, n_q, heads_q, head_dim = q.shape
+    o_part = torch.empty(batch, heads_q, n_q, states, head_dim, device=q.device, dtype=torch.float32)
+    # rows of 16-multiple length: its strides (kernel arguments) keep one alignment class for any split count
+    lse_part = torch.empty(batch, heads_q, n_q, triton.cdiv(states, 16) * 16, device=q.device, dtype=torch.float32)
+    return o_part, lse_part
+
+
+def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_part, lse_part, config: FoldConfig, *,
+            window, splits, state_offset, q_scale, consts):
+    """One stage-1 launch of ``splits`` splits writing states ``state_offset + i``; ``consts`` hold
+    its constexprs but PAGE_SIZE, PLAIN (default off), UPCAST and DOT_PRECISION."""
+    batch, n_q, heads_kv = o_part.shape[0], o_part.shape[2], k.shape[2]
+    upcast = INTERPRETED and k.dtype == torch.bfloat16
+    seqlens = cache_seqlens if cache_seqlens is not None else o_part   # dummy pointers when unused
+    table = block_table if block_table is not None else lse_part
+    fold_fwd_kernel_stage1[(batch * heads_kv * consts["M_TILES"], splits)](
+        q, k, v, inv_freq, trig, seqlens, table, o_part, lse_part,
+        *q_strides,
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        heads_kv, n_q, cache_len(k, block_table), window, splits, state_offset, q_scale,
+        **{"PLAIN": False, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0, UPCAST=upcast,
+        DOT_PRECISION="ieee" if (k.dtype == torch.float32 or upcast) else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _stage2(o_part, lse_part, q, far_states: int, inv_alpha: float, *, out_dtype, return_lse, lse_base2):
+    """Merge each row's states (the first ``far_states`` in alpha-space) into ``(out, lse or None)``."""
+    batch, n_q, heads_q, head_dim = q.shape
+    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
+    lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
     fold_fwd_kernel_stage2[(batch * heads_q * n_q,)](
         o_part, lse_part, out, lse,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        heads_q, n_q, far_splits, states, 1.0 / alpha,
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        heads_q, n_q, far_states, o_part.shape[3], inv_alpha,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_S=MERGE_BLOCK_S, RETURN_LSE=return_lse, LSE_BASE2=lse_base2,
         num_warps=4 if head_dim >= 128 else 2,
     )

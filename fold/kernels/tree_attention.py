@@ -1,20 +1,33 @@
 """Hybrid tree attention in Triton: configs -> jit kernel -> launcher.
 
-The committed cache is read by FOLD's split-K stage-1/stage-2 kernels as a plain read (every entry
-in the window, identity rotation: queries and keys arrive rotated), giving a state ``(o_c, lse_c)``
-per row. One small kernel then attends each row (tree node x GQA head, packed per KV head) to the
-tree nodes under ``tree_mask`` and merges the result with the cached state in its epilogue.
+The committed cache is read by FOLD's split-K stage-1/stage-2 kernels as a plain read
+(:func:`~fold.kernels.fold_attention.plain_attention_fwd`: queries and keys arrive rotated, every
+row reads every valid entry), giving a state ``(o_c, lse_c)`` per row. One small kernel then attends
+each row (tree node x GQA head, packed per KV head) to the tree nodes under ``tree_mask`` and merges
+the result with the cached state in its epilogue.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fold.kernels.fold_attention import INTERPRETED, LN2, LOG2E, FoldConfig, cache_len, fold_attention_fwd
+from fold.kernels.fold_attention import INTERPRETED, LN2, LOG2E, FoldConfig, program_rows, plain_attention_fwd
 
-# The tree is one tile (n_tree is small); rows per program are the launcher's block_m (a power of two >= 16).
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Launch of the tree kernel: the tree is one tile (n_tree is small); ``block_m`` rows (tree node x
+    GQA head) per program, a power of two >= 16."""
+
+    block_m: int = 32
+    num_warps: int = 4
+
+
+TREE_CONFIG = TreeConfig()
 
 
 @triton.jit(do_not_specialize=["n_tree"])
@@ -33,14 +46,9 @@ def tree_fwd_kernel(
     BLOCK_T: tl.constexpr, M_TILES: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    i_b = (pid // (heads_kv * M_TILES)).to(tl.int64)
-    i_kvh = ((pid // M_TILES) % heads_kv).to(tl.int64)
-    i_mt = pid % M_TILES
-    o_m = i_mt * BLOCK_M + tl.arange(0, BLOCK_M)           # rows: m = node * GROUP + h
-    m_row = o_m < n_tree * GROUP
-    o_i = o_m // GROUP
-    i_hq = i_kvh * GROUP + (o_m % GROUP)
+    # rows m = node * GROUP + h
+    i_b, i_kvh, o_m, m_row, o_i, i_hq = program_rows(tl.program_id(0), heads_kv, n_tree * GROUP, GROUP, M_TILES,
+                                                      BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     o_t = tl.arange(0, BLOCK_T)
@@ -89,19 +97,16 @@ def tree_fwd_kernel(
 
 
 def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale, return_lse,
-                       config: FoldConfig, block_m: int = 32, block_table=None):
-    """Launch the cached read and the tree kernel. Assumes validated inputs; returns ``(out, lse or None)``.
-    With ``block_table`` the cache is paged as in :func:`fold_attention_fwd`."""
+                       config: FoldConfig, tree_config: TreeConfig = TREE_CONFIG, block_table=None):
+    """Launch the cached read (with ``config``) and the tree kernel (with ``tree_config``). Assumes
+    validated inputs; returns ``(out, lse or None)``. With ``block_table`` the cache is paged as in
+    :func:`~fold.kernels.fold_attention.fold_attention_fwd`."""
     batch, n_tree, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
-    max_len = cache_len(k_cache, block_table)
     group = heads_q // heads_kv
-    identity = torch.zeros(head_dim // 2, device=q.device, dtype=torch.float32)   # queries/keys arrive rotated
-    o_c, lse_c = fold_attention_fwd(
-        q, k_cache, v_cache, identity, cache_seqlens, window=max_len + n_tree, alpha=1.0,
-        softmax_scale=softmax_scale, rotary_dim=2 * (head_dim // 2), interleaved=False, attention_factor=1.0,
-        keys_rotated=True, return_lse=True, config=config, out_dtype=torch.float32, block_table=block_table,
-        lse_base2=True)
+    o_c, lse_c = plain_attention_fwd(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, config=config,
+                                     out_dtype=torch.float32, block_table=block_table, lse_base2=True)
+    block_m = tree_config.block_m
     m_tiles = triton.cdiv(n_tree * group, block_m)
     out = torch.empty_like(q)
     lse = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
@@ -121,6 +126,6 @@ def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seq
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
         BLOCK_T=max(16, triton.next_power_of_2(n_tree)), M_TILES=m_tiles, UPCAST=upcast,
         DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32", RETURN_LSE=return_lse,
-        num_warps=4,
+        num_warps=tree_config.num_warps,
     )
     return out, (lse if return_lse else None)
