@@ -127,7 +127,7 @@ BAD_ENTRIES = [
 @pytest.mark.parametrize("change, words", BAD_ENTRIES)
 def test_an_entry_outside_the_declared_space_is_ignored_with_a_warning_naming_file_and_field(
         tuning_dir, launched, change, words):
-    """Issue 10: such entries gave wrong answers (num_splits=0) or crashed inside Triton."""
+    """Such entries would give wrong answers (num_splits=0) or crash inside Triton."""
     path = tune([CLASS], [1024, 2048], tuning_dir, timer=favour(TARGET), **QUIET)
     data = json.loads(path.read_text())
     data["entries"][CLASS.key(1024)]["config"].update(change)
@@ -221,7 +221,7 @@ LLAMA = dict(n_q=10, group=4, head_dim=128)
 
 
 def test_the_split_model_reproduces_the_first_h200_tuning_run():
-    """tuning/results/h200-2026-11-29-gpu_check.log: the previous kernel (8 warps, one CTA per SM,
+    """tuning/results/h200-2026-11-29-gpu_check.log: a stage-1 kernel of 8 warps (one CTA per SM,
     132 slots), batch 1 x 8 KV heads; the sweep picked 16 splits at 8K and at 128K."""
     for length in (8192, 131072):
         for tile in ((64, 16, 8, 3), (64, 32, 8, 3)):
@@ -260,7 +260,7 @@ def test_the_model_and_the_window_launch_pick_from_the_one_split_rule():
                 assert window <= splits and window in kernels.split_counts(min(length, 2048 + 19 + block_n), block_n)
 
 
-# --- the tuning CLI (issue 10) ----------------------------------------------------------------------------
+# --- the tuning CLI ----------------------------------------------------------------------------------------
 
 def test_cli_dry_run_and_show(tuning_dir, capsys):
     assert tuning_main(["tune", "--dry-run", "--drafters", "llama3.1-8b", "--layout", "unrotated"]) == 0

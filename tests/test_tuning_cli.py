@@ -94,3 +94,14 @@ def test_inspect_rejects_an_unknown_drafter(capsys):
     with pytest.raises(SystemExit):
         tuning_main(["inspect", "--drafters", "gpt2"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("before", [None, "/elsewhere"])
+def test_the_tuned_read_section_restores_fold_tuning_dir(monkeypatch, tmp_path, before):
+    if before is None:
+        monkeypatch.delenv("FOLD_TUNING_DIR", raising=False)
+    else:
+        monkeypatch.setenv("FOLD_TUNING_DIR", before)
+    with gpu_check.tuning_dir(tmp_path):
+        assert gpu_check.os.environ["FOLD_TUNING_DIR"] == str(tmp_path)
+    assert gpu_check.os.environ.get("FOLD_TUNING_DIR") == before

@@ -1,4 +1,4 @@
-"""The one script to run on a lent H200 (issue 11, item 4), in under 8 minutes:
+"""The one script to run on a lent H200, in under 8 minutes:
 
     OUT=/tmp/out python tuning/gpu_check.py            # everything; results under $OUT
     python tuning/gpu_check.py --dry-run                # the plan, on any machine (no GPU needed)
@@ -29,6 +29,7 @@ is skipped (and says so).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:     # run by path (python tuning/gpu_check.py): import from the repository, not tuning/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -128,7 +130,7 @@ def time_provider(make, inputs_list) -> float:
 
 
 def fused_read_table(drafters, lengths, log, deadline) -> list[dict]:
-    from tuning.tune import ShapeClass, _input_copies
+    from tuning.tune import ShapeClass, input_copies
 
     flash = flash_available()
     full_name = "flash_full" if flash else "torch_flash_full"
@@ -143,7 +145,7 @@ def fused_read_table(drafters, lengths, log, deadline) -> list[dict]:
             row = dict(drafter=name, length=length, full=full_name, paper=paper_name)
             cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
                              heads_kv=shape.heads_kv, window=shape.window)
-            inputs = _input_copies(cls, length, "cuda")                   # cold: copies beyond twice the L2
+            inputs = input_copies(cls, length, "cuda")                    # cold: copies beyond twice the L2
             for keys_rotated in (False, True):
                 layout = "rot" if keys_rotated else "unrot"
                 reads = [dict(inp, k=inp["k_rot"], keys_rotated=True) if keys_rotated else inp for inp in inputs]
@@ -276,6 +278,124 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+class Run:
+    """One run: its output folder, log, results (saved after each section) and time budget."""
+
+    def __init__(self, args, log_file):
+        self.args, self.out, self._log_file = args, args.out, log_file
+        self.start = time.monotonic()
+        self.deadline = self.start + args.budget_s
+        self.results = dict(plan=plan(args), errors={}, skipped=[])
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, msg: str) -> None:
+        print(msg, flush=True)
+        self._log_file.write(msg + "\n")
+        self._log_file.flush()
+
+    def save(self) -> None:
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        os.replace(tmp, self.out / "results.json")
+
+    def section(self, name: str, fn, min_left_s: float = 0.0) -> None:
+        """Run ``fn`` as section ``name`` unless skipped or fewer than ``min_left_s`` seconds are left;
+        its result (or its traceback) goes into the results."""
+        if name in self.args.skip:
+            return
+        if self.left() < min_left_s:
+            self.results["skipped"].append(name)
+            self.log(f"== {name}: skipped, {self.left():.0f} s left")
+            self.save()
+            return
+        t0 = time.monotonic()
+        self.log(f"== {name} (at {t0 - self.start:.0f} s)")
+        try:
+            self.results[name] = fn()
+        except Exception:  # noqa: BLE001 - one failed section must not cost the others
+            self.results["errors"][name] = traceback.format_exc()
+            self.log(self.results["errors"][name])
+        self.log(f"   ({time.monotonic() - t0:.0f} s)")
+        self.save()
+
+
+def env_info() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return dict(device=torch.cuda.get_device_name(), sms=props.multi_processor_count,
+                l2_mb=getattr(props, "L2_cache_size", 0) / 2**20, fold=fold.__version__, torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda, flash_attn=flash_available())
+
+
+def verify_section(run: Run, tiles) -> dict:
+    from tuning.verify import verify
+
+    configs = verify_configs(tiles)
+    checked, failures = verify(configs, dtypes=("bfloat16", "float16"), device="cuda",
+                               budget_s=min(run.args.verify_budget_s, run.left() - 200), tree=True, log=run.log,
+                               **VERIFY_SHAPE)
+    return dict(configs=len(configs), checked=checked, failures=failures)
+
+
+def tune_section(run: Run, classes, spilling: set | None) -> dict:
+    """Tune one class at a time (each is saved when done); ``spilling``: the precompile's spilling
+    tiles, ``None`` if it did not run (then nothing is checked)."""
+    from tuning.tune import tune
+
+    if spilling is None:
+        run.log("  tune: no spill check (the precompile did not run)")
+
+    def spill_check(cls, tile_list):
+        return {t: int(spilling is not None and t in spilling) for t in tile_list}
+
+    done = []
+    for cls in classes:
+        if run.left() < 60:
+            run.log(f"  tune: out of time before {cls}")
+            break
+        tune([cls], run.args.tune_lengths, run.out / "configs", keep_tile=keep_tile, log=run.log, spills=spill_check)
+        done.append(cls.class_key)
+    return dict(path=str(run.out / "configs"), classes=done)
+
+
+@contextlib.contextmanager
+def tuning_dir(folder: Path):
+    """fold reads its tuned configs from ``folder`` inside the block; the environment is restored after."""
+    old = os.environ.get("FOLD_TUNING_DIR")
+    os.environ["FOLD_TUNING_DIR"] = str(folder)
+    config_lookup.clear_cache()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FOLD_TUNING_DIR"]
+        else:
+            os.environ["FOLD_TUNING_DIR"] = old
+        config_lookup.clear_cache()
+
+
+def run_sections(run: Run) -> None:
+    args, results = run.args, run.results
+    tiles = kept_tiles(VERIFY_SHAPE["n_q"] * VERIFY_SHAPE["group"], VERIFY_SHAPE["head_dim"])
+    classes = drafter_classes(args.drafters)
+    run.section("env", env_info)
+    run.section("precompile", lambda: precompile(tiles, classes, args, run.log), min_left_s=240)
+    spilling = {tuple(t) for t in results.get("precompile", {}).get("spilling_tiles", [])}
+    run.section("verify", lambda: verify_section(run, [t for t in tiles if t not in spilling]), min_left_s=220)
+    run.section("copy_bandwidth", lambda: copy_bandwidth() / 1e12)
+    run.section("fused_read", lambda: fused_read_table(args.drafters, args.lengths, run.log, run.deadline - 150),
+                min_left_s=160)
+    run.section("graphs", lambda: graph_check(run.log), min_left_s=120)
+    run.section("tune", lambda: tune_section(run, classes, spilling if "precompile" in results else None),
+                min_left_s=90)
+    if (run.out / "configs").is_dir():
+        def tuned_read():
+            with tuning_dir(run.out / "configs"):
+                return fused_read_table(args.drafters, args.lengths, run.log, run.deadline - 5)
+        run.section("fused_read_tuned", tuned_read, min_left_s=40)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
@@ -284,105 +404,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to see the plan)")
         return 2
-    start = time.monotonic()
-    deadline = start + args.budget_s
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = open(out / "log.txt", "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
-
-    results = dict(plan=plan(args), errors={}, skipped=[])
-
-    def save():
-        tmp = out / "results.json.tmp"
-        tmp.write_text(json.dumps(results, indent=1, default=str))
-        os.replace(tmp, out / "results.json")
-
-    def section(name, fn, min_left_s=0.0):
-        if name in args.skip:
-            return
-        if deadline - time.monotonic() < min_left_s:
-            results["skipped"].append(name)
-            log(f"== {name}: skipped, {deadline - time.monotonic():.0f} s left")
-            save()
-            return
-        t0 = time.monotonic()
-        log(f"== {name} (at {t0 - start:.0f} s)")
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - one failed section must not cost the others
-            results["errors"][name] = traceback.format_exc()
-            log(results["errors"][name])
-        log(f"   ({time.monotonic() - t0:.0f} s)")
-        save()
-
-    rows = VERIFY_SHAPE["n_q"] * VERIFY_SHAPE["group"]
-    tiles = kept_tiles(rows, VERIFY_SHAPE["head_dim"])
-    classes = drafter_classes(args.drafters)
-
-    def env():
-        props = torch.cuda.get_device_properties(0)
-        return dict(device=torch.cuda.get_device_name(), sms=props.multi_processor_count,
-                    l2_mb=getattr(props, "L2_cache_size", 0) / 2**20, fold=fold.__version__, torch=torch.__version__,
-                    triton=triton.__version__, cuda=torch.version.cuda, flash_attn=flash_available())
-
-    section("env", env)
-    section("precompile", lambda: precompile(tiles, classes, args, log), min_left_s=240)
-    spilling = {tuple(t) for t in results.get("precompile", {}).get("spilling_tiles", [])}
-
-    def verify_section():
-        from tuning.verify import verify
-
-        configs = verify_configs([t for t in tiles if t not in spilling])
-        checked, failures = verify(configs, dtypes=("bfloat16", "float16"), device="cuda",
-                                   budget_s=min(args.verify_budget_s, deadline - time.monotonic() - 200), tree=True,
-                                   log=log, **VERIFY_SHAPE)
-        return dict(configs=len(configs), checked=checked, failures=failures)
-
-    section("verify", verify_section, min_left_s=220)
-    section("copy_bandwidth", lambda: copy_bandwidth() / 1e12)
-    section("fused_read", lambda: fused_read_table(args.drafters, args.lengths, log, deadline - 150), min_left_s=160)
-    section("graphs", lambda: graph_check(log), min_left_s=120)
-
-    def tune_section():
-        from tuning.tune import tune
-
-        if "precompile" in results:                     # tiles that spill anywhere, from the precompile
-            def spill_check(cls, tile_list):
-                return {t: int(t in spilling) for t in tile_list}
-        else:
-            log("  tune: no spill check (the precompile did not run)")
-
-            def spill_check(cls, tile_list):
-                return dict.fromkeys(tile_list, 0)
-
-        done = []
-        for cls in classes:                             # one class at a time: each is saved when done
-            if deadline - time.monotonic() < 60:
-                log(f"  tune: out of time before {cls}")
-                break
-            tune([cls], args.tune_lengths, out / "configs", keep_tile=keep_tile, log=log, spills=spill_check)
-            done.append(cls.class_key)
-        return dict(path=str(out / "configs"), classes=done)
-
-    section("tune", tune_section, min_left_s=90)
-
-    def tuned_read():
-        os.environ["FOLD_TUNING_DIR"] = str(out / "configs")
-        config_lookup.clear_cache()
-        return fused_read_table(args.drafters, args.lengths, log, deadline - 5)
-
-    if (out / "configs").is_dir():
-        section("fused_read_tuned", tuned_read, min_left_s=40)
-
-    table = render_table(results)
-    (out / "table.txt").write_text(table + "\n")
-    log(table)
-    log(f"total {time.monotonic() - start:.0f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "log.txt", "w") as log_file:
+        run = Run(args, log_file)
+        run_sections(run)
+        table = render_table(run.results)
+        (args.out / "table.txt").write_text(table + "\n")
+        run.log(table)
+        run.log(f"total {time.monotonic() - run.start:.0f} s")
+    results = run.results
     failures = results.get("verify", {}).get("failures")
     graphs_ok = all(v.get("replay_equals_eager") and v.get("after_inputs_change")
                     for v in results.get("graphs", {}).values())

@@ -141,7 +141,9 @@ def _calls(cls: ShapeClass, config: FoldConfig, inputs: Sequence[dict]):
     return [launcher(inp) for inp in inputs]
 
 
-def _input_copies(cls: ShapeClass, length: int, device, l2_bytes: int = 64 << 20, max_copies: int = 8):
+def input_copies(cls: ShapeClass, length: int, device, l2_bytes: int = 64 << 20, max_copies: int = 8) -> list[dict]:
+    """Distinct inputs of one read of ``cls`` at ``length`` (:func:`tuning.workloads.make_inputs`), as
+    many as twice the L2 holds (at most ``max_copies``), so timed calls read a cold cache."""
     bytes_per = 2 * length * cls.heads_kv * cls.head_dim * torch.finfo(getattr(torch, cls.dtype)).bits // 8
     copies = max(1, min(max_copies, math.ceil(2 * l2_bytes / bytes_per)))
     return [make_inputs(cls.drafter(), length, dtype=getattr(torch, cls.dtype), device=device,
@@ -169,7 +171,7 @@ def tune_class(cls: ShapeClass, lengths: Sequence[int], timer: Timer, device, to
         raise ValueError(f"{cls}: no tile of the space is left to time")
     default = heuristic_tile(rows=cls.n_q * cls.group, head_dim=cls.head_dim)
     ref_len = min(lengths, key=lambda n: abs(math.log2(n / 32768)))
-    ref_inputs = _input_copies(cls, ref_len, device)
+    ref_inputs = input_copies(cls, ref_len, device)
 
     def time_config(config, inputs):
         return timer(config, _calls(cls, config, inputs))
@@ -179,7 +181,7 @@ def tune_class(cls: ShapeClass, lengths: Sequence[int], timer: Timer, device, to
     log(f"{cls}: best tiles at {ref_len}: {best_tiles}")
     entries = {}
     for length in lengths:
-        inputs = ref_inputs if length == ref_len else _input_copies(cls, length, device)
+        inputs = ref_inputs if length == ref_len else input_copies(cls, length, device)
         times = {t: time_config(cls.config(t, length, sms), inputs) for t in dict.fromkeys([*best_tiles, default])}
         best = min(times, key=times.get)
         model = cls.config(best, length, sms).num_splits
