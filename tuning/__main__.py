@@ -33,24 +33,6 @@ def _positive(kind):
     return parse
 
 
-def _classes(args):
-    from tuning.tune import ShapeClass
-    from tuning.workloads import DRAFTERS
-
-    seen, classes = set(), []
-    for name in args.drafters:
-        shape = DRAFTERS[name]
-        for dtype in args.dtype:
-            for layout in args.layout:
-                cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
-                                 dtype=dtype, keys_rotated=layout == "rotated", heads_kv=shape.heads_kv,
-                                 window=shape.window)
-                if cls.class_key not in seen:          # n_q 7 and 8 share a padded class
-                    seen.add(cls.class_key)
-                    classes.append(cls)
-    return classes
-
-
 def parser() -> argparse.ArgumentParser:
     from tuning.workloads import DRAFTERS
 
@@ -172,10 +154,10 @@ def main(argv=None) -> int:
         return 1 if failures else 0
 
     from fold.config_lookup import SHIPPED_DIR
-    from tuning.tune import plan, tune
+    from tuning.tune import drafter_classes, plan, tune
 
     out = args.out or Path(os.environ.get("FOLD_TUNING_DIR") or SHIPPED_DIR)
-    classes = _classes(args)
+    classes = drafter_classes(args.drafters, args.dtype, [layout == "rotated" for layout in args.layout])
     if args.dry_run:
         total = 0
         for cls in classes:

@@ -47,6 +47,7 @@ import triton  # noqa: E402
 import fold  # noqa: E402
 from fold import config_lookup  # noqa: E402
 from fold.kernels.fold_attention import FoldConfig, config_space, split_counts  # noqa: E402
+from tuning.tune import drafter_classes  # noqa: E402
 from tuning.workloads import DRAFTERS, PROVIDERS, flash_available, fold_call  # noqa: E402
 
 SECTIONS = ("env", "precompile", "verify", "copy_bandwidth", "fused_read", "graphs", "tune", "fused_read_tuned")
@@ -62,22 +63,6 @@ def keep_tile(tile) -> bool:
     shared = config_lookup.shared_bytes_estimate(block_m, block_n, num_stages, 128, 2)
     fits = shared + config_lookup.SHARED_RESERVED_PER_CTA <= config_lookup.SHARED_BYTES_PER_SM
     return block_m == 64 and num_warps in (4, 8) and num_stages in (2, 3, 4) and fits
-
-
-def drafter_classes(drafters, layouts=(False, True)):
-    """One tuning class per distinct (head_dim, group, padded n_q) and layout; n_q 7 and 8 share one."""
-    from tuning.tune import ShapeClass
-
-    seen, classes = set(), []
-    for name in drafters:
-        shape = DRAFTERS[name]
-        for keys_rotated in layouts:
-            cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
-                             keys_rotated=keys_rotated, heads_kv=shape.heads_kv, window=shape.window)
-            if cls.class_key not in seen:
-                seen.add(cls.class_key)
-                classes.append(cls)
-    return classes
 
 
 def kept_tiles(rows: int, head_dim: int) -> list[tuple]:

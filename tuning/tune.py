@@ -77,6 +77,23 @@ class ShapeClass:
         return config if splits is None else FoldConfig(*tile[:2], splits, *tile[2:])
 
 
+def drafter_classes(drafters: Sequence[str], dtypes: Sequence[str] = ("bfloat16",),
+                    layouts: Sequence[bool] = (False, True)) -> list[ShapeClass]:
+    """One class per distinct cache class key among the named drafter shapes (``tuning.workloads.DRAFTERS``)
+    x dtypes x key layouts (``keys_rotated``); n_q 7 and 8 share one."""
+    from tuning.workloads import DRAFTERS
+
+    classes = {}
+    for name in drafters:
+        shape = DRAFTERS[name]
+        for dtype in dtypes:
+            for keys_rotated in layouts:
+                cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
+                                 dtype=dtype, keys_rotated=keys_rotated, heads_kv=shape.heads_kv, window=shape.window)
+                classes.setdefault(cls.class_key, cls)
+    return list(classes.values())
+
+
 def _tiles(configs: Sequence[FoldConfig]) -> list[tuple]:
     return sorted({c.tile for c in configs})
 
