@@ -1,6 +1,7 @@
 """The two retrieval baselines, stateful per sequence: InfLLM (drafter side) and CMR (target side).
 
-Both follow the FOLD paper's Appendix B.3 and ``shared/notes/baselines.md``:
+Both follow the FOLD paper's Appendix B.3 (InfLLM: Xiao et al. 2024; CMR: SpecExtend's cross-model
+retrieval):
 
 - InfLLM: FOLD's window ``N_p`` at true distances, plus the first ``init`` entries, the ``topk``
   retrieved blocks of ``block`` entries and the older entries not yet in a block, all at the
