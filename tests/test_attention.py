@@ -12,7 +12,8 @@ import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
 from reference import apply_rope
-from tests.helpers import Case, assert_close, check_against_reference, kwargs_of, make_inputs, reference_pair, rope_of
+from tests.helpers import (INTERPRETED, Case, assert_close, check_against_reference, kwargs_of, make_inputs,
+                           reference_pair, rope_of)
 from tests.test_engine_ops import to_pages
 
 
@@ -41,6 +42,7 @@ configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64, 128]), bloc
                     num_splits=st.sampled_from([1, 2, 3, 4, 8, 16, 128]), num_warps=st.just(4), num_stages=st.just(2))
 
 
+@INTERPRETED
 @given(case=cases(dtypes=[torch.float32, torch.float16, torch.bfloat16]), config=configs)
 @example(case=Case(n_q=16, group=8, head_dim=128, max_len=2048, window=64), config=FoldConfig(128, 64, 8, 4, 2))
 @example(case=Case(batch=3, n_q=7, heads_kv=2, group=4, max_len=300, seqlens=(7, 300, 150), window=20,

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import SPACE, config_space, keep
-from tests.helpers import Case, check_against_reference
+from tests.helpers import INTERPRETED, Case, check_against_reference
 
 
 @st.composite
@@ -23,6 +23,7 @@ def case_and_config(draw):
     return case, config
 
 
+@INTERPRETED
 @given(case_and_config())
 def test_configs_of_the_declared_space_match_the_reference(case_config):
     case, config = case_config

@@ -11,6 +11,7 @@ from fold.kernels.fold_attention import FoldConfig
 from reference import tree_attention_ref
 from fold.spec.tree import tree_mask  # node i sees its ancestors and itself
 from reference.tolerance import check_close
+from tests.helpers import INTERPRETED
 
 
 @st.composite
@@ -62,6 +63,7 @@ configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 64]), block_n=st.sa
                     num_splits=st.sampled_from([1, 3]), num_warps=st.just(4), num_stages=st.just(2))
 
 
+@INTERPRETED
 @given(c=tree_cases([torch.float32, torch.float16, torch.bfloat16]), config=configs)
 def test_triton_matches_reference(c, config):
     with use_config(config):
