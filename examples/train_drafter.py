@@ -55,6 +55,25 @@ from drafter_init import copy_circuit_init
 from train_target import MIX_HELP, check_device, check_mix, positive
 
 
+def weighted_step(logits, labels, w, opt, params) -> torch.Tensor:
+    """One optimizer step on the slot-weighted cross-entropy (``w`` per slot, like ``labels``),
+    gradients clipped to norm 1; returns the loss."""
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    loss = (ce * w).sum() / w.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss
+
+
+def chain_tau(logits, labels):
+    """``(right, tau)``: which slots are argmax-right, and the train tau of a greedy chain
+    (1 + the accepted prefix of the drafts, averaged over blocks)."""
+    right = logits.argmax(-1) == labels
+    return right, right.int().cumprod(-1).sum(-1).float().mean().item() + 1
+
+
 def drafter_config(target_config, args) -> dict:
     """The z-lab DFlash ``config.json`` of the drafter."""
     return dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=target_config.hidden_size,
@@ -349,18 +368,11 @@ def main(argv=None):
         ids, features, anchors, labels, is_copy, positions = step_inputs(pool, rng, args)
         with torch.autocast(args.device.type, dtype=torch.bfloat16):
             logits = block_logits(drafter, features, ids, anchors, positions)
-        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-        w = weights * (1 + args.copy_weight * is_copy.float())
-        loss = (ce * w).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss = weighted_step(logits, labels, weights * (1 + args.copy_weight * is_copy.float()), opt, params)
         step += 1
         if step % 10 == 0 or step == 1:
-            with torch.no_grad():     # train tau of a greedy chain: 1 + accepted prefix of the drafts
-                right = logits.argmax(-1) == labels
-                tau = right.int().cumprod(-1).sum(-1).float().mean().item() + 1
+            with torch.no_grad():
+                right, tau = chain_tau(logits, labels)
                 first_copy = right[..., 0][is_copy[..., 0]].float().mean().item() if is_copy[..., 0].any() else 0.0
             log["steps"].append(dict(step=step, seconds=round(time.perf_counter() - t0, 1), loss=round(loss.item(), 4),
                                      train_tau=round(tau, 3), first_slot_copy_acc=round(first_copy, 3)))

@@ -233,7 +233,7 @@ def train(args) -> dict:
     from fold import spec
     from fold.spec.drafter import Drafter
     from fold.spec.loading import read_config
-    from train_drafter import block_logits, check_loaded
+    from train_drafter import block_logits, chain_tau, check_loaded, weighted_step
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -307,18 +307,11 @@ def train(args) -> dict:
         rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
         table = head_weight[rows]
         logits = block_logits(drafter, features, ids, anchors, positions, head=lambda x: F.linear(x, table))
-        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-        w = weights * (1 + args.copy_weight * is_copy.float())
-        loss = (ce * w).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss = weighted_step(logits, labels, weights * (1 + args.copy_weight * is_copy.float()), opt, params)
         step += 1
         if step % 10 == 0 or step == 1:
             with torch.no_grad():
-                right = logits.argmax(-1) == labels
-                tau = right.int().cumprod(-1).sum(-1).float().mean().item() + 1
+                _, tau = chain_tau(logits, labels)
             log["steps"].append(dict(step=step, loss=round(loss.item(), 4), train_tau=round(tau, 3),
                                      lr=round(_lr(args, step), 7)))
             print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
