@@ -49,8 +49,10 @@ def make_target(kind: str, path, seed: int = 0, vocab: int = VOCAB):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _backbone(hidden, layers, heads_q, heads_kv, head_dim, inter, n_taps, gen):
-    w = lambda *s: torch.randn(*s, generator=gen) * 0.2  # noqa: E731
+def drafter_backbone(hidden, layers, heads_q, heads_kv, head_dim, inter, n_taps, gen, scale=0.2):
+    """The state dict of a z-lab/Qwen3-style drafter block (fc, norms, attention, SwiGLU), weights
+    normal(0, ``scale``) from ``gen``."""
+    w = lambda *s: torch.randn(*s, generator=gen) * scale  # noqa: E731
     state = {"fc.weight": w(hidden, n_taps * hidden), "hidden_norm.weight": torch.ones(hidden),
              "norm.weight": torch.ones(hidden)}
     for i in range(layers):
@@ -113,7 +115,7 @@ def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2),
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                     attention_bias=False, hidden_act="silu", vocab_size=tc.vocab_size, max_position_embeddings=4096,
                     num_target_layers=tc.num_hidden_layers)
-    state = _backbone(tc.hidden_size, layers, 4, 2, 16, 96, len(taps), gen)
+    state = drafter_backbone(tc.hidden_size, layers, 4, 2, 16, 96, len(taps), gen)
     mask_id = tc.vocab_size - 1
     if fmt in ("zlab", "zlab-swa", "zlab-gemma"):   # transformers-5 style revision: block size inside dflash_config
         config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], **geometry,

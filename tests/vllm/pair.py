@@ -6,6 +6,8 @@ import json
 import torch
 from safetensors.torch import save_file
 
+from tests.spec_fixtures import drafter_backbone
+
 VOCAB = 256
 HIDDEN = 128
 HEAD_DIM = 64
@@ -49,24 +51,10 @@ def make_drafter(path, *, layers=2, heads=(4, 2), seed=0, scale=0.3, sinks=False
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     heads_q, heads_kv = heads
-    w = lambda *s: torch.randn(*s, generator=gen) * scale  # noqa: E731
-    state = {"fc.weight": w(hidden, len(taps) * hidden), "hidden_norm.weight": torch.ones(hidden),
-             "norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        state.update({
-            p + "self_attn.q_proj.weight": w(heads_q * HEAD_DIM, hidden),
-            p + "self_attn.k_proj.weight": w(heads_kv * HEAD_DIM, hidden),
-            p + "self_attn.v_proj.weight": w(heads_kv * HEAD_DIM, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads_q * HEAD_DIM),
-            p + "self_attn.q_norm.weight": torch.ones(HEAD_DIM),
-            p + "self_attn.k_norm.weight": torch.ones(HEAD_DIM),
-            p + "mlp.gate_proj.weight": w(192, hidden), p + "mlp.up_proj.weight": w(192, hidden),
-            p + "mlp.down_proj.weight": w(hidden, 192),
-            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
-        })
-        if sinks:
-            state[p + "self_attn.attention_sink_bias"] = torch.randn(heads_q, generator=gen) + 2.0
+    state = drafter_backbone(hidden, layers, heads_q, heads_kv, HEAD_DIM, 192, len(taps), gen, scale=scale)
+    if sinks:
+        for i in range(layers):
+            state[f"layers.{i}.self_attn.attention_sink_bias"] = torch.randn(heads_q, generator=gen) + 2.0
     config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=hidden, intermediate_size=192,
                   num_hidden_layers=layers, num_attention_heads=heads_q, num_key_value_heads=heads_kv,
                   head_dim=HEAD_DIM, rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu", vocab_size=vocab,
