@@ -38,18 +38,22 @@ def _exact_marginals(target, prompt, steps):
     return marginals
 
 
-def test_generated_tokens_follow_the_targets_distribution(pair):
+@pytest.mark.parametrize("draft_cutoff", [0.0, 0.3])        # 0.3: some chains end early (checked below)
+def test_generated_tokens_follow_the_targets_distribution(pair, draft_cutoff):
     target, drafter = pair
     prompt = torch.tensor([1, 5, 2, 6, 3, 0, 4, 2, 5, 1, 6, 3])
     steps, samples = 3, 600
     exact = _exact_marginals(target, prompt, steps)
     g = torch.Generator().manual_seed(0)
     result = spec.generate(target, drafter, prompt.repeat(samples, 1), max_new_tokens=steps, policy="fold",
-                           window=4, temperature=TEMPERATURE, generator=g)
+                           window=4, temperature=TEMPERATURE, generator=g, draft_cutoff=draft_cutoff)
     generated = result.sequences[:, len(prompt):]
     drafted = sum(s["drafted_tokens"] for s in result.stats["per_sequence"])
     accepted = sum(sum(r - 1 for r in s["accepted_per_round"]) for s in result.stats["per_sequence"])
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
+    rounds = sum(s["rounds"] for s in result.stats["per_sequence"])
+    if draft_cutoff:
+        assert drafted < drafter.cfg.block_size * rounds, "the cutoff must end some chains early"
     for t in range(1, steps):                                   # tokens that went through verification
         counts = torch.bincount(generated[:, t], minlength=VOCAB).double()
         expected = exact[t] * samples

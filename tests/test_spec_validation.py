@@ -1,5 +1,7 @@
 """spec.generate and spec.autoregressive: every argument checked before any work; tau counts what was committed."""
 
+import re
+
 import pytest
 import torch
 
@@ -57,11 +59,18 @@ def test_bad_arguments_fail_before_any_work(pair, monkeypatch, override, error, 
     (dict(progress=1), TypeError, "progress must be a bool"),
     (dict(tree=(2, True)), ValueError, "tree must be a non-empty tuple of positive ints"),
     (dict(tree=()), ValueError, "tree must be a non-empty tuple of positive ints"),
+    (dict(draft_len=0), ValueError, "draft_len must be a positive int or None"),
+    (dict(draft_len=True), ValueError, "draft_len must be a positive int or None"),
+    (dict(draft_cutoff=1.0), ValueError, "draft_cutoff must be a number in [0, 1)"),
+    (dict(draft_cutoff=float("nan")), ValueError, "draft_cutoff must be a number in [0, 1)"),
+    (dict(draft_cutoff="0.5"), ValueError, "draft_cutoff must be a number in [0, 1)"),
+    (dict(tree=(2, 2), draft_len=3), ValueError, "draft_len and draft_cutoff shape a chain"),
+    (dict(tree=(2, 2), draft_cutoff=0.5), ValueError, "draft_len and draft_cutoff shape a chain"),
 ])
 def test_generate_only_arguments(pair, override, error, words):
     target, drafter = pair
     args = {**dict(target=target, drafter=drafter, input_ids=IDS, max_new_tokens=4), **override}
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(error, match=re.escape(words)):
         spec.generate(args.pop("target"), args.pop("drafter"), **args)
 
 
@@ -73,7 +82,7 @@ def test_tau_counts_only_committed_tokens(pair):
     ids = IDS[:1]
     want = spec.autoregressive(target, ids, max_new_tokens=9).sequences[0, 12:].tolist()
     drafter_draft = drafter.draft
-    drafter.draft = lambda state, anchor, read, temperature=0.0, generator=None: (want[1:8], None)
+    drafter.draft = lambda state, anchor, read, temperature=0.0, generator=None, **_: (want[1:8], None)
     try:
         result = spec.generate(target, drafter, ids, max_new_tokens=2, window=8)
     finally:

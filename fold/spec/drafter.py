@@ -313,23 +313,38 @@ class Drafter(nn.Module):
         return self.markov_head.bias(torch.tensor(prev_token, device=self.fc.weight.device)).float()
 
     @torch.no_grad()
-    def draft(self, state: DraftState, anchor: int, read, temperature: float = 0.0, generator=None):
+    def draft(self, state: DraftState, anchor: int, read, temperature: float = 0.0, generator=None, *,
+              max_drafts: int | None = None, cutoff: float = 0.0):
         """Draft tokens of one round: B-1 (z-lab) or B (DeepSpec), DSpark's Markov-corrected.
+
+        ``max_drafts`` keeps the first slots only; ``cutoff`` ends the chain before the first slot whose
+        distribution's top probability (at temperature 1 when greedy, else at ``temperature``) is under
+        it. The rule looks at the slot's distribution, never at the token drawn from it, so sampling
+        stays exact: a slot the chain stops at is drawn by the target instead.
 
         Returns ``(tokens, probs)``: at temperature 0 the argmax tokens and ``None``; otherwise tokens
         sampled from ``probs [n_drafts, vocab]``, the distributions actually used (for rejection).
         """
-        logits = self.slot_logits(state, anchor, read)                                         # [n, V]
+        logits = self.slot_logits(state, anchor, read)[:max_drafts]                            # [n, V]
         markov = self.cfg.markov_rank > 0
         if temperature == 0.0 and not markov:
+            if cutoff > 0.0:
+                low = (torch.softmax(logits, -1).amax(-1) < cutoff).nonzero()
+                if len(low):
+                    logits = logits[:int(low[0, 0])]
             return logits.argmax(-1).tolist(), None
         tokens, probs, prev = [], [], anchor
         for k in range(logits.shape[0]):
             row = logits[k] + self.markov_bias(prev) if markov else logits[k]
             if temperature == 0.0:
+                if cutoff > 0.0 and float(torch.softmax(row, -1).max()) < cutoff:
+                    break
                 prev = int(row.argmax(-1))
             else:
-                probs.append(torch.softmax(row / temperature, dim=-1))
-                prev = int(torch.multinomial(probs[-1], 1, generator=generator)[0])
+                dist = torch.softmax(row / temperature, dim=-1)
+                if float(dist.max()) < cutoff:
+                    break
+                probs.append(dist)
+                prev = int(torch.multinomial(dist, 1, generator=generator)[0])
             tokens.append(prev)
         return tokens, (torch.stack(probs) if probs else None)

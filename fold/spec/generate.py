@@ -227,9 +227,11 @@ class BlockProposer:
 
     rollback = True
 
-    def __init__(self, drafter: Drafter, read, max_new_tokens: int, temperature: float, generator, tree=None):
+    def __init__(self, drafter: Drafter, read, max_new_tokens: int, temperature: float, generator, tree=None,
+                 draft_len: int | None = None, cutoff: float = 0.0):
         self.drafter, self.read, self.max_new_tokens, self.tree = drafter, read, max_new_tokens, tree
         self.temperature, self.generator = temperature, generator
+        self.draft_len, self.cutoff = draft_len, cutoff
 
     def start(self, session, ids, hidden_states) -> None:
         d = self.drafter
@@ -239,7 +241,8 @@ class BlockProposer:
     def draft(self, session, new) -> Draft:
         d, anchor = self.drafter, new[-1]
         if self.tree is None:
-            return Draft(*d.draft(self.state, anchor, self.read, self.temperature, self.generator))
+            return Draft(*d.draft(self.state, anchor, self.read, self.temperature, self.generator,
+                                  max_drafts=self.draft_len, cutoff=self.cutoff))
         markov = d.markov_bias if d.cfg.markov_rank else None
         tokens, parents, depths = build_tree(d.slot_logits(self.state, anchor, self.read), self.tree, anchor, markov)
         return Draft(tokens, None, parents, depths)
@@ -257,9 +260,10 @@ class GlideProposer:
 
     rollback = True
 
-    def __init__(self, drafter, gamma: int, max_new_tokens: int, temperature: float, generator, tree=None):
+    def __init__(self, drafter, gamma: int, max_new_tokens: int, temperature: float, generator, tree=None,
+                 cutoff: float = 0.0):
         self.drafter, self.gamma, self.max_new_tokens, self.tree = drafter, gamma, max_new_tokens, tree
-        self.temperature, self.generator = temperature, generator
+        self.temperature, self.generator, self.cutoff = temperature, generator, cutoff
 
     def start(self, session, ids, hidden_states) -> None:
         self.prompt = ids.tolist()
@@ -275,11 +279,14 @@ class GlideProposer:
             return Draft(tokens, None, parents, depths)
         drafts, probs = [], []
         for i in range(self.gamma):
+            dist = torch.softmax(row / (self.temperature or 1.0), dim=-1) if self.cutoff or self.temperature else None
+            if self.cutoff and float(dist.max()) < self.cutoff:
+                break                                 # see Drafter.draft: the rule never looks at a drawn token
             if self.temperature == 0.0:
                 drafts.append(int(row.argmax()))
             else:
-                probs.append(torch.softmax(row / self.temperature, dim=-1))
-                drafts.append(int(torch.multinomial(probs[-1], 1, generator=self.generator)))
+                probs.append(dist)
+                drafts.append(int(torch.multinomial(dist, 1, generator=self.generator)))
             if i < self.gamma - 1:
                 row = self.drafter.forward_tokens(self.state, torch.tensor([drafts[-1]], device=device),
                                                   session.cache)[-1]
@@ -293,7 +300,8 @@ class GlideProposer:
 def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, policy=None,
              attention_mask: torch.Tensor | None = None, eos_token_id=None, temperature: float = 0.0,
              generator: torch.Generator | None = None, progress: bool = False, tree: tuple[int, ...] | None = None,
-             gamma: int = 4, prefill: Prefills | None = None, **policy_options) -> GenerateResult:
+             gamma: int = 4, prefill: Prefills | None = None, draft_len: int | None = None,
+             draft_cutoff: float = 0.0, **policy_options) -> GenerateResult:
     """Speculative decoding; ``result.sequences`` equals the target's greedy generation.
 
     Args:
@@ -327,6 +335,13 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
         prefill: a :class:`fold.spec.Prefills` for ``target``: every prompt it has seen starts from a
             copy of that prompt's cache instead of a new forward (share one across the runs that
             compare policies or drafters on the same prompts).
+        draft_len: a block drafter verifies at most this many drafts per round (default: every slot of
+            its block; GLIDE's is ``gamma``). Chains only.
+        draft_cutoff: in [0, 1): a chain ends before the first slot whose draft distribution's top
+            probability is under it (0, the default, never ends one early); a round whose first slot is
+            unsure verifies the anchor alone, a plain decoding step. Where a verification's cost grows
+            with its length (a CPU) this trades unlikely drafts for time. Lossless: greedy output is
+            unchanged, and at temperature > 0 the rule never looks at a drawn token. Chains only.
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096),
             ``infllm_block`` (128), ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4),
@@ -345,6 +360,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
     glide = _check_drafting(target, drafter, policy, policy_options, tree, temperature, gamma)
+    _check_chain_options(draft_len, draft_cutoff, tree, glide)
     policy = "fold" if policy is None else policy
     label = "glide" if glide else policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
     bar = _progress_bar(input_ids.shape[0] * max_new_tokens, label) if progress else None
@@ -352,10 +368,12 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
 
     def proposer(ids):
         if glide:
-            return GlideProposer(drafter, gamma, max_new_tokens, float(temperature), generator, tree)
+            return GlideProposer(drafter, gamma, max_new_tokens, float(temperature), generator, tree,
+                                 float(draft_cutoff))
         request = dict(prompt_len=len(ids), max_new_tokens=max_new_tokens, block_size=drafter.cfg.block_size)
         read = _build_read(policy, drafter, request, policy_options)
-        return BlockProposer(drafter, read, max_new_tokens, float(temperature), generator, tree)
+        return BlockProposer(drafter, read, max_new_tokens, float(temperature), generator, tree, draft_len,
+                             float(draft_cutoff))
     result = _run_rows(target, proposer, input_ids, attention_mask, max_new_tokens, eos, temperature, generator,
                        bar, prefill)
     if bar is not None:
@@ -398,6 +416,21 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
         make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
                   **policy_options)                               # bad policy or option: fail before any work
     return glide
+
+
+def _check_chain_options(draft_len, draft_cutoff, tree, glide) -> None:
+    """``draft_len`` and ``draft_cutoff``, checked before any work."""
+    if draft_len is not None:
+        if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+            raise ValueError(f"draft_len must be a positive int or None (every slot of the block), got {draft_len!r}")
+        if glide:
+            raise ValueError("draft_len is a block drafter's; a GLIDE drafter drafts gamma tokens per round")
+    if isinstance(draft_cutoff, bool) or not isinstance(draft_cutoff, (int, float)) \
+            or not 0.0 <= draft_cutoff < 1.0:
+        raise ValueError(f"draft_cutoff must be a number in [0, 1) (a draft distribution's top probability), "
+                         f"got {draft_cutoff!r}")
+    if tree is not None and (draft_len is not None or draft_cutoff):
+        raise ValueError("draft_len and draft_cutoff shape a chain; a tree's shape is its tree=(k1, k2, ...)")
 
 
 def _run_rows(target, proposer, input_ids, attention_mask, max_new_tokens, eos, temperature, generator, bar,
