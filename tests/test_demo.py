@@ -154,6 +154,17 @@ def test_rows_run_interleaved_and_tpot_is_the_median_of_repeats():
     assert records["a"]["lossless"] and not records["b"]["lossless"]
 
 
+def test_draft_cutoff_reaches_every_drafter_row(monkeypatch):
+    seen = []
+    monkeypatch.setattr(spec, "generate", lambda *a, **k: seen.append((k["policy"], k["draft_cutoff"])))
+    monkeypatch.setattr(spec, "autoregressive", lambda *a, **k: seen.append(("AR", None)))
+    rows = cli.make_rows("target", "drafter", "anchor", ["dflash", "fold", cli.ANCHOR_ROW], 64, 2.0, 256,
+                         draft_cutoff=0.4)
+    for row in rows:
+        row.run(torch.zeros(1, 4, dtype=torch.long), 2)
+    assert seen == [("AR", None), ("dflash", 0.4), ("fold", 0.4), ("dflash", 0.4)]
+
+
 def test_shift_read_at_zero_equals_the_plain_read(pair):
     _, drafter, _, _ = pair
     rope, cfg = drafter.cfg.rope, drafter.cfg
@@ -181,6 +192,8 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
     (["--window", "-1"], "--window: must be >= 8"),
     (["--alpha", "0.5"], "--alpha: must lie in [1, 10000], got 0.5"),
     (["--alpha", "x"], "--alpha: expected a number"),
+    (["--draft-cutoff", "1"], "--draft-cutoff: must lie in [0, 1), got 1.0"),
+    (["--draft-cutoff", "-0.1"], "--draft-cutoff: must lie in [0, 1), got -0.1"),
     (["--artifacts", "/nonexistent/pair"], "must hold target/, drafter/, drafter_anchor/"),
 ])
 def test_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):

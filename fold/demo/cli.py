@@ -271,7 +271,9 @@ def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
     return records
 
 
-def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int) -> list[Row]:
+def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int,
+              draft_cutoff: float = 0.0) -> list[Row]:
+    """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec.generate`'s, every drafter row)."""
     from fold import spec
 
     def ar(prompt, n_new):
@@ -283,7 +285,8 @@ def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_l
         opts = {} if name == ANCHOR_ROW else policy_options(policy, window, alpha, train_len)
 
         def run(prompt, n_new, model=model, policy=policy, opts=opts):
-            return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy, **opts)
+            return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
+                                 draft_cutoff=draft_cutoff, **opts)
         rows.append(Row(name, run))
     return rows
 
@@ -296,7 +299,7 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
                    repeats, window, alpha, seed, train_len, bar=None, log=print, memo_class=None,
-                   planted_in=None) -> list[dict]:
+                   planted_in=None, draft_cutoff: float = 0.0) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
     :func:`prompts_for`."""
     memo = (memo_class or PrefillMemo)(target)
@@ -306,7 +309,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
         for length in lengths:
             memo.memo.clear()
             ids, n_new = prompts_for(task, length, prompts, seed, held_ids, tokenizer, new_tokens, planted_in)
-            cell = make_rows(memo, drafter, anchor, rows, window, alpha, train_len)
+            cell = make_rows(memo, drafter, anchor, rows, window, alpha, train_len, draft_cutoff)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True
@@ -473,6 +476,16 @@ def _alpha(text: str) -> float:
     return value
 
 
+def _cutoff(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {value}")
+    return value
+
+
 def check_writable(out: Path) -> None:
     """Create ``out`` and prove a file can be written there, before any work is done."""
     out.mkdir(parents=True, exist_ok=True)
@@ -529,6 +542,9 @@ def main(argv=None) -> int:
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
                          "(default: the shipped pair)")
+    ap.add_argument("--draft-cutoff", type=_cutoff, default=0.0,
+                    help="end a draft chain before the first slot whose top probability is under this, in [0, 1) "
+                         "(spec.generate's draft_cutoff; 0: verify every slot, the paper's setting)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -590,7 +606,7 @@ def main(argv=None) -> int:
                              lengths=lengths, rows=rows, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
                              log=log, memo_class=LastPrefill if args.real else None,
-                             planted_in=held_text if args.real else None)
+                             planted_in=held_text if args.real else None, draft_cutoff=args.draft_cutoff)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,
@@ -601,7 +617,7 @@ def main(argv=None) -> int:
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
-    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
+    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, draft cutoff {args.draft_cutoff}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
           f"{new_tokens} new tokens per code prompt, the stored value's length per retrieval prompt; drafter trained "
           f"on {train_len} tokens; {time.perf_counter() - t0:.0f} s")
     print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "
