@@ -18,6 +18,10 @@ settings.register_profile("dev", max_examples=10, deadline=None, suppress_health
 settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# pytest-xdist workers (`-n N`) share the cores: one worker, its share of torch's threads
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def _poisoned(real):
     def alloc(*args, **kwargs):

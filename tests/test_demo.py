@@ -144,7 +144,7 @@ def test_rows_run_interleaved_and_tpot_is_the_median_of_repeats():
         return run
 
     rows = [cli.Row("AR", runner("AR")), cli.Row("a", runner("a")), cli.Row("b", runner("b", differs=True))]
-    cli.measure_cell(None, rows, torch.tensor([[10], [20]]), 4, repeats=3)
+    cli.measure_cell(rows, torch.tensor([[10], [20]]), 4, repeats=3)
     assert calls == [(n, p) for p in (10, 20) for _ in range(3) for n in ("AR", "a", "b")]
     records = {r["policy"]: r for r in cli._cell_records("code", 1, rows)}
     assert records["a"]["tpot_ms_per_prompt"] == [2000.0, 2000.0]            # medians of (1, 2, 30) and (2, 2, 2)

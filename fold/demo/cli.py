@@ -31,7 +31,6 @@ Prints the tables; writes ``results.json``, ``table.txt`` and ``tau_vs_length.pn
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -59,51 +58,6 @@ REAL_PRESETS = {
 }
 REAL_WINDOW = 256                     # half the real drafter's 512-token training length
 SHIFT_FACTORS = (0, 1, 4, 16, 64)     # the block moved by these multiples of the drafter's training length
-
-
-class PrefillMemo:
-    """The target with its prompt forwards memoised (a fresh copy of the cache each time).
-
-    Every row of a cell runs the same prompts, and the demo compares TPOT, which excludes the
-    prefill, so computing it once per prompt changes no number and saves most of the run time.
-    """
-
-    def __init__(self, target):
-        self.target, self.memo = target, {}
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def forward(self, input_ids, cache=None, **kwargs):
-        if cache is not None or not kwargs.get("use_cache"):
-            return self.target(input_ids, cache=cache, **kwargs)
-        key = (input_ids.numpy().tobytes(), tuple(sorted(kwargs.items())))
-        if key not in self.memo:
-            self.memo[key] = self.target(input_ids, **kwargs)
-        out = self.memo[key]
-        return type(out)(logits=out.logits, hidden_states=out.hidden_states,
-                         past_key_values=copy.deepcopy(out.past_key_values))
-
-    __call__ = forward
-
-
-class LastPrefill(PrefillMemo):
-    """:class:`PrefillMemo` for a real target: the prompt forward keeps the last position's logits
-    only (a 7K prompt's full logits are 1.4 GB, and the loop reads the last row), and one prompt is
-    held at a time (a cell runs every row on a prompt before the next)."""
-
-    def forward(self, input_ids, cache=None, **kwargs):
-        if cache is not None or not kwargs.get("use_cache"):
-            return self.target(input_ids, cache=cache, **kwargs)
-        key = (input_ids.numpy().tobytes(), tuple(sorted(kwargs.items())))
-        if key not in self.memo:
-            self.memo.clear()
-            self.memo[key] = self.target(input_ids, logits_to_keep=1, **kwargs)
-        out = self.memo[key]
-        return type(out)(logits=out.logits, hidden_states=out.hidden_states,
-                         past_key_values=copy.deepcopy(out.past_key_values))
-
-    __call__ = forward
 
 
 PAIR_DIRS = ("target", "drafter", "drafter_anchor")
@@ -229,7 +183,7 @@ def _tau(result) -> float:
     return per_sequence_tau(result)[0]
 
 
-def measure_cell(target, rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, bar=None) -> None:
+def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, bar=None) -> None:
     """Run AR and every row on each prompt of ``ids``, interleaved (AR, row 1, ..., AR, row 1, ...)
     ``repeats`` times per prompt; fills each row's taus, TPOTs and lossless flag."""
     for p in range(ids.shape[0]):
@@ -272,12 +226,13 @@ def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
 
 
 def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int,
-              draft_cutoff: float = 0.0) -> list[Row]:
-    """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec.generate`'s, every drafter row)."""
+              draft_cutoff: float = 0.0, prefill=None) -> list[Row]:
+    """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec.generate`'s, every drafter
+    row; ``prefill``: a :class:`fold.spec.Prefills` the rows share, so each prompt is run once)."""
     from fold import spec
 
     def ar(prompt, n_new):
-        return spec.autoregressive(target, prompt, max_new_tokens=n_new)
+        return spec.autoregressive(target, prompt, max_new_tokens=n_new, prefill=prefill)
 
     rows = [Row("AR", ar)]
     for name in names:
@@ -286,7 +241,7 @@ def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_l
 
         def run(prompt, n_new, model=model, policy=policy, opts=opts):
             return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
-                                 draft_cutoff=draft_cutoff, **opts)
+                                 draft_cutoff=draft_cutoff, prefill=prefill, **opts)
         rows.append(Row(name, run))
     return rows
 
@@ -298,22 +253,25 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 
 
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
-                   repeats, window, alpha, seed, train_len, bar=None, log=print, memo_class=None,
+                   repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
                    planted_in=None, draft_cutoff: float = 0.0) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
-    :func:`prompts_for`."""
-    memo = (memo_class or PrefillMemo)(target)
+    :func:`prompts_for`. Every row of a cell runs the same prompts and TPOT excludes the prefill, so
+    each prompt is run once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K
+    prompt's full logits are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
+    from fold import spec
+
     records = []
     warmed = False
     for task in tasks:
         for length in lengths:
-            memo.memo.clear()
             ids, n_new = prompts_for(task, length, prompts, seed, held_ids, tokenizer, new_tokens, planted_in)
-            cell = make_rows(memo, drafter, anchor, rows, window, alpha, train_len, draft_cutoff)
+            shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
+            cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True
-            measure_cell(memo, cell, ids, n_new, repeats, bar)
+            measure_cell(cell, ids, n_new, repeats, bar)
             recs = _cell_records(task, ids.shape[1], cell)
             records += recs
             for rec in recs:
@@ -333,10 +291,10 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
     from fold import spec
     from fold.spec.metrics import per_sequence_tau
 
-    memo = PrefillMemo(target)
+    shared = spec.Prefills(target)
     length = max(16, train_len // 2)
     ids, n_new = prompts_for("code", length, prompts, seed, held_ids, tokenizer, min(new_tokens, train_len // 2))
-    ar = spec.autoregressive(memo, ids, max_new_tokens=n_new)
+    ar = spec.autoregressive(target, ids, max_new_tokens=n_new, prefill=shared)
     records = []
     for label, model in (("dflash", drafter), (ANCHOR_ROW, anchor)):
         if model is None:
@@ -345,9 +303,9 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
         for factor in factors:
             shift = factor * train_len
             if shift == 0:
-                res = spec.generate(memo, model, ids, max_new_tokens=n_new, policy="dflash")
+                res = spec.generate(target, model, ids, max_new_tokens=n_new, policy="dflash", prefill=shared)
             else:                                       # the same loop with a custom read (spec.Read protocol)
-                res = spec.generate(memo, model, ids, max_new_tokens=n_new,
+                res = spec.generate(target, model, ids, max_new_tokens=n_new, prefill=shared,
                                     policy=lambda request, s=shift: spec.Read(shifted_read(request["rope"], s),
                                                                               rope=request["rope"]))
             taus = per_sequence_tau(res)
@@ -605,7 +563,7 @@ def main(argv=None) -> int:
     records = run_comparison(target, drafter, anchor, tokenizer, held_ids=held_ids, tasks=args.tasks,
                              lengths=lengths, rows=rows, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
-                             log=log, memo_class=LastPrefill if args.real else None,
+                             log=log, last_logits_only=args.real,
                              planted_in=held_text if args.real else None, draft_cutoff=args.draft_cutoff)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:

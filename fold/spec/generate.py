@@ -44,8 +44,8 @@ class GenerateResult:
 
 def _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator) -> set[int]:
     """Arguments ``generate`` and ``autoregressive`` share, checked before any work; returns the eos set."""
-    if not (callable(target) and hasattr(target, "parameters") and hasattr(target, "config")):
-        raise TypeError(f"target must be a transformers causal LM (callable, with .parameters() and .config), "
+    if not (isinstance(target, torch.nn.Module) and hasattr(target, "config")):
+        raise TypeError(f"target must be a transformers causal LM (a torch.nn.Module with .config), "
                         f"got {type(target).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError(f"input_ids must be a [batch, prompt_len] tensor, got {getattr(input_ids, 'shape', input_ids)}")
