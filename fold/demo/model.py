@@ -40,6 +40,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fold.rope import theta_inv_freq
 from fold.spec.drafter import MLP, RMSNorm          # the same blocks (they read hidden/intermediate sizes)
 
 
@@ -120,8 +121,7 @@ class LocalAttention(nn.Module):
     def inv_freq(self, device) -> torch.Tensor:
         # computed per call, not a buffer: from_pretrained builds modules on the meta device and
         # leaves non-persistent buffers that are not in the checkpoint uninitialised
-        d = self.head_dim
-        return 1.0 / self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+        return theta_inv_freq(self.rope_theta, self.head_dim).to(device)
 
     def forward(self, x, cache, layer_idx: int):
         b, t, _ = x.shape
