@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -177,14 +178,27 @@ class CachedFeatures:
         shards = [p for cache in caches for p in existing_shards(cache)]
         if not shards:
             raise SystemExit(f"{caches} hold no feature shards; run the extract stage first")
-        parts = [load_file(str(p)) for p in shards]
-        self.ids = torch.cat([p["ids"] for p in parts]).long()
-        feats = torch.cat([p["features"] for p in parts])
-        if tap_index != list(range(feats.shape[-1] // hidden)):
-            feats = torch.cat([feats[..., i * hidden:(i + 1) * hidden] for i in tap_index], -1)
-        self.features = feats
-        self.greedy = torch.cat([p["greedy"] for p in parts]).long()
-        self.copy = torch.cat([p["copy"] for p in parts]).bool()
+        # filled shard by shard into tensors allocated once: peak memory is the pool plus one shard
+        # (concatenating loaded shards needed twice the pool, 10+ GB for 100 shards)
+        with safe_open(str(shards[0]), "pt") as f:
+            _, seq_len, width = f.get_slice("features").get_shape()
+        sizes = []
+        for p in shards:
+            with safe_open(str(p), "pt") as f:
+                sizes.append(f.get_slice("ids").get_shape()[0])
+        n = sum(sizes)
+        self.ids = torch.empty(n, seq_len, dtype=torch.long)
+        self.features = torch.empty(n, seq_len, len(tap_index) * hidden, dtype=torch.bfloat16)
+        self.greedy = torch.empty(n, seq_len, dtype=torch.long)
+        self.copy = torch.empty(n, seq_len, dtype=torch.bool)
+        cols = torch.cat([torch.arange(i * hidden, (i + 1) * hidden) for i in tap_index])
+        row = 0
+        for p, size in zip(shards, sizes):
+            part = load_file(str(p))
+            rows = slice(row, row + size)
+            self.ids[rows], self.greedy[rows], self.copy[rows] = part["ids"], part["greedy"], part["copy"].bool()
+            self.features[rows] = part["features"] if len(cols) == width else part["features"][..., cols]
+            row += size
         self.shards = len(shards)
         self.vocab = torch.cat([self.ids.flatten(), self.greedy.flatten()]).unique()   # every token the data hold
 
