@@ -77,12 +77,12 @@ def test_glide_cutoff_is_lossless_and_drafts_less(target, tmp_path):
     prompts = _prompts([30, 12, 21], seed=3)
     ids, mask = padded_batch(prompts, "right")
     runs = {c: spec.generate(target, glide, ids, attention_mask=mask, max_new_tokens=18, gamma=4, draft_cutoff=c)
-            for c in (0.0, 0.03)}
+            for c in (0.0, 0.5)}
     for result in runs.values():
         for b, p in enumerate(prompts):
             want = greedy_ar(target, p, 18)
             assert torch.equal(result.sequences[b, :len(want)], want)
-    cut = runs[0.03].stats["per_sequence"]
+    cut = runs[0.5].stats["per_sequence"]
     drafted, rounds = sum(s["drafted_tokens"] for s in cut), sum(s["rounds"] for s in cut)
     assert 0 < drafted < 4 * rounds                 # some chains end early, some do not
     with pytest.raises(ValueError, match="draft_len is a block drafter's"):
