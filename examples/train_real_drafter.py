@@ -180,13 +180,12 @@ class CachedFeatures:
             raise SystemExit(f"{caches} hold no feature shards; run the extract stage first")
         # filled shard by shard into tensors allocated once: peak memory is the pool plus one shard
         # (concatenating loaded shards needed twice the pool, 10+ GB for 100 shards)
-        with safe_open(str(shards[0]), "pt") as f:
-            _, seq_len, width = f.get_slice("features").get_shape()
-        sizes = []
+        shapes = []                                     # [rows, seq_len, width] of each shard's features
         for p in shards:
             with safe_open(str(p), "pt") as f:
-                sizes.append(f.get_slice("ids").get_shape()[0])
-        n = sum(sizes)
+                shapes.append(f.get_slice("features").get_shape())
+        sizes = [rows for rows, _, _ in shapes]
+        n, (_, seq_len, width) = sum(sizes), shapes[0]
         self.ids = torch.empty(n, seq_len, dtype=torch.long)
         self.features = torch.empty(n, seq_len, len(tap_index) * hidden, dtype=torch.bfloat16)
         self.greedy = torch.empty(n, seq_len, dtype=torch.long)

@@ -40,8 +40,12 @@ def test_copy_accuracy_splits_slots_by_copy_run(monkeypatch):
     feats = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, t, 2)
     res = inspect_features.copy_accuracy(SimpleNamespace(cfg=SimpleNamespace(block_size=bs)), feats, ids, greedy, copy,
                                          stride=5, min_context=8)
-    blocks = len(range(8, t - bs, 5))
-    assert res["long_copy"][0] == res["long_copy"][1] > 0 and res["short_copy"][0] == res["short_copy"][1] > 0
+    anchors = range(8, t - bs, 5)
+    blocks = len(anchors)
+    # slot i of block a scores the token at a + i + 1: "long" when it and the 3 before it are copies
+    long_slots = sum(bool(copy[b, a + i - 2:a + i + 2].all()) for b in range(n) for a in anchors for i in range(bs - 1))
+    assert res["long_copy"][1] == long_slots > 0
+    assert res["long_copy"][0] == res["long_copy"][1] and res["short_copy"][0] == res["short_copy"][1] > 0
     assert res["no_copy"][0] == 0 < res["no_copy"][1]
     total = res["long_copy"][1] + res["short_copy"][1] + res["no_copy"][1]
     assert total == n * blocks * (bs - 1) == sum(c for _, c in res["slots"])

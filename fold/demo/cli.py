@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from fold.attention import MAX_ALPHA
+
 POLICIES = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
 ANCHOR_ROW = "anchor-offset"
 TASKS = ("code", "retrieval")
@@ -422,26 +424,17 @@ def _int_at_least(minimum: int, why: str = ""):
     return parse
 
 
-def _alpha(text: str) -> float:
-    from fold.attention import MAX_ALPHA
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 1.0 <= value <= MAX_ALPHA:
-        raise argparse.ArgumentTypeError(f"must lie in [1, {MAX_ALPHA:g}], got {value}")
-    return value
-
-
-def _cutoff(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {value}")
-    return value
+def _float_in(low: float, high: float, *, high_open: bool = False):
+    """An argparse type: a number in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low <= value < high if high_open else low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must lie in [{low:g}, {high:g}{')' if high_open else ']'}, got {value}")
+        return value
+    return parse
 
 
 def check_writable(out: Path) -> None:
@@ -496,11 +489,12 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=_int_at_least(8, " (StreamingLLM keeps 4 sinks and window - 4 recent entries)"),
                     default=None, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's), in tokens "
                                        f"(default: 128; {REAL_WINDOW} with --real)")
-    ap.add_argument("--alpha", type=_alpha, default=2.0, help="FOLD's concentration factor, in [1, 1e4]")
+    ap.add_argument("--alpha", type=_float_in(1.0, MAX_ALPHA), default=2.0,
+                    help="FOLD's concentration factor, in [1, 1e4]")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
                          "(default: the shipped pair)")
-    ap.add_argument("--draft-cutoff", type=_cutoff, default=0.0,
+    ap.add_argument("--draft-cutoff", type=_float_in(0.0, 1.0, high_open=True), default=0.0,
                     help="end a draft chain before the first slot whose top probability is under this, in [0, 1) "
                          "(spec.generate's draft_cutoff; 0: verify every slot, the paper's setting)")
     ap.add_argument("--seed", type=int, default=0)
