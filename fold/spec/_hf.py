@@ -162,7 +162,11 @@ class TargetSession:
                 if _layer_kind(layer) in ("sliding", "linear"):
                     layer.record_past = rollback
             snapshots = copy_linear_states(cache) if rollback else {}
-        out = self.target(ids, use_cache=True, output_hidden_states=True, **kwargs)
+        # a verification reads the cache with several query rows under a mask: grouped, not repeated
+        swap = grouped_verification(self.target) if rollback and cache is not None and ids.shape[1] > 1 \
+            else contextlib.nullcontext()
+        with swap:
+            out = self.target(ids, use_cache=True, output_hidden_states=True, **kwargs)
         self.cache = out["cache"] if "cache" in out else out["past_key_values"]
         self.length += ids.shape[1]
         if snapshots:
@@ -258,6 +262,51 @@ def attention_swapped(target, fn):
     finally:
         target.set_attn_implementation(previous)
         _ACTIVE.reset(token)
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention for a multi-token forward of a grouped-query target, without
+    ``repeat_kv``: ``query [B, Hq, T, d]`` is read as ``[B, Hkv, g*T, d]`` (the ``g`` query heads of a
+    key/value head are consecutive) under the mask repeated ``g`` times, so the cached keys and values
+    are read once instead of copied ``g`` times per layer (transformers does so for one query token;
+    a masked forward of several, a verification, copies). The same products and sums as transformers'
+    own SDPA; anything else (one token, no mask, per-head masks, dropout, soft-capping, sinks, a
+    position bias, no grouping) goes to transformers' function unchanged. Returns ``([B, T, Hq, d], None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    mask = attention_mask
+    if (hq == hkv or t == 1 or mask is None or mask.ndim != 4 or mask.shape[1] != 1 or dropout
+            or any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks", "position_bias"))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    g = hq // hkv
+    mask = mask[..., :key.shape[2]]
+    mask = mask.expand(mask.shape[0], 1, t, mask.shape[-1]).repeat(1, 1, g, 1)           # [B|1, 1, g*T, L]
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, hkv, g * t, d), key, value,
+                                                           attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq, t, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_verification(target):
+    """Within the block, a target on transformers' ``"sdpa"`` attention runs :func:`grouped_sdpa`
+    (registered once as ``"fold_gqa"`` with SDPA's masks); any other implementation is left alone."""
+    previous = target.config._attn_implementation
+    if previous != "sdpa" or not getattr(target, "_supports_attention_backend", False):
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("fold_gqa", grouped_sdpa)
+    AttentionMaskInterface.register("fold_gqa", AttentionMaskInterface._global_mapping["sdpa"])
+    target.set_attn_implementation("fold_gqa")
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(previous)
 
 
 def _replay_linear(target, replay: _Replay, cache, index: int, keep: int) -> None:
