@@ -325,17 +325,24 @@ class Drafter(nn.Module):
         Returns ``(tokens, probs)``: at temperature 0 the argmax tokens and ``None``; otherwise tokens
         sampled from ``probs [n_drafts, vocab]``, the distributions actually used (for rejection).
         """
-        logits = self.slot_logits(state, anchor, read)[:max_drafts]                            # [n, V]
+        hidden = self.block_hidden(state, anchor, read)
+        hidden = (hidden[1:] if not self.cfg.sample_from_anchor else hidden)[:max_drafts]      # [n, H]
         markov = self.cfg.markov_rank > 0
-        if temperature == 0.0 and not markov:
+        # on a CPU the LM head costs in proportion to its rows, so a chain that may stop early
+        # (cutoff) computes a slot's logits only when it gets there; elsewhere all rows at once
+        lazy = cutoff > 0.0 and hidden.device.type == "cpu"
+        if temperature == 0.0 and not markov and not lazy:
+            logits = self.head(hidden).float()                                                  # [n, V]
             if cutoff > 0.0:
                 low = (torch.softmax(logits, -1).amax(-1) < cutoff).nonzero()
                 if len(low):
                     logits = logits[:int(low[0, 0])]
             return logits.argmax(-1).tolist(), None
+        logits = None if lazy else self.head(hidden).float()
         tokens, probs, prev = [], [], anchor
-        for k in range(logits.shape[0]):
-            row = logits[k] + self.markov_bias(prev) if markov else logits[k]
+        for k in range(hidden.shape[0]):
+            base = self.head(hidden[k:k + 1]).float()[0] if lazy else logits[k]
+            row = base + self.markov_bias(prev) if markov else base
             if temperature == 0.0:
                 if cutoff > 0.0 and float(torch.softmax(row, -1).max()) < cutoff:
                     break
