@@ -29,6 +29,7 @@ import contextvars
 import copy
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,11 @@ import torch
 def _cache_kwarg(forward) -> str:
     params = inspect.signature(forward).parameters
     return "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else "cache_params"
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(forward) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def _layer_kind(layer) -> str:
@@ -139,9 +145,15 @@ class TargetSession:
         logits, hidden_states = self.forward(ids[None])
         return logits[0, -1], hidden_states
 
-    def forward(self, ids, position_ids=None, rollback: bool = True, last_logits_only: bool = False):
+    def forward(self, ids, position_ids=None, rollback: bool = True, last_logits_only: bool = False,
+                lazy_logits: bool = False):
         """``target(ids)`` on this session's cache -> ``(logits [B, T, V], hidden_states tuple)``
         (``[B, 1, V]`` with ``last_logits_only``: transformers' ``logits_to_keep=1``).
+
+        ``lazy_logits`` (one sequence on a CPU, whose LM head costs in proportion to its rows): the
+        logits come as :class:`LogitRows` of that sequence, a row computed when read, once this target
+        is known to give plain ``lm_head(last hidden state)`` logits (checked on its first such
+        forward, which returns the tensor); otherwise the tensor as usual.
 
         With ``rollback`` (a verification) the sliding and linear-attention layers record this
         forward and the linear layers' states are copied first, so that :meth:`crop` can drop any
@@ -153,6 +165,10 @@ class TargetSession:
             kwargs["position_ids"] = position_ids
         if last_logits_only:
             kwargs["logits_to_keep"] = 1
+        lazy = (lazy_logits and ids.shape[0] == 1 and self.device.type == "cpu" and not last_logits_only
+                and _PLAIN_HEAD.get(self.target, False) and _takes_logits_to_keep(type(self.target).forward))
+        if lazy:                                                   # the model computes row 0 only
+            kwargs["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=self.device)
         snapshots = {}
         if cache is not None:
             if self._replay is not None or any(getattr(layer, "record_past", False) for layer in _layers(cache)):
@@ -171,6 +187,11 @@ class TargetSession:
         self.length += ids.shape[1]
         if snapshots:
             self._replay = _Replay(snapshots, out.hidden_states, ids.shape[1])
+        if lazy:
+            return LogitRows(out.logits[0, 0], out.hidden_states[-1][0], self.target.get_output_embeddings()), \
+                out.hidden_states
+        if lazy_logits and ids.shape[1] > 1 and self.target not in _PLAIN_HEAD:
+            _PLAIN_HEAD[self.target] = _is_plain_head(self.target, out.logits[0], out.hidden_states[-1][0])
         return out.logits, out.hidden_states
 
     def crop(self, length: int) -> None:
@@ -194,6 +215,41 @@ class TargetSession:
         """Within the block, every attention layer of the target runs ``fn(module, query, key, value,
         attention_mask, **kwargs)`` (transformers' ``AttentionInterface`` signature)."""
         return attention_swapped(self.target, fn)
+
+
+_PLAIN_HEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # target -> logits == lm_head(last hidden)
+
+
+def _is_plain_head(target, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+    """Whether ``target``'s logits ``[T, V]`` of a forward are exactly its output embeddings applied to
+    the last entry of its ``hidden_states`` (``hidden [T, H]``) and nothing else: no soft-capping,
+    scale or bias after the head. The same product on the same rows, so compared bit for bit."""
+    head = target.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    with torch.no_grad():
+        return torch.equal(head(hidden), logits)
+
+
+class LogitRows:
+    """A verification's logits ``[T, V]`` of one sequence, each row computed the first time it is read
+    (``rows[i] -> [V]``): acceptance reads rows only up to the first mismatch, so a round pays the LM
+    head for the rows it looks at. Row 0 comes from the model's own forward."""
+
+    def __init__(self, first: torch.Tensor, hidden: torch.Tensor, head):
+        self._rows = {0: first}
+        self._hidden, self._head = hidden, head           # final hidden states [T, H], the LM head
+
+    def __len__(self) -> int:
+        return self._hidden.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        if i not in self._rows:
+            with torch.no_grad():
+                self._rows[i] = self._head(self._hidden[i:i + 1])[0]
+        return self._rows[i]
 
 
 class Prefills:

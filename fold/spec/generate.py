@@ -104,21 +104,23 @@ def _accept(drafts, draft_probs, target_logits, temperature, generator):
     Greedy: the longest prefix equal to the target's argmax, then the target's argmax. Sampling:
     standard rejection sampling, keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
     rejection draw from max(p_i - q_i, 0) renormalised; if all are kept, draw the bonus from p_n.
+    ``target_logits``: ``[n + 1, V]``, a tensor or :class:`_hf.LogitRows`; rows are read in order and
+    only up to the first rejection.
     """
     if temperature == 0.0:
-        post = target_logits.argmax(-1).tolist()
         a = 0
-        while a < len(drafts) and drafts[a] == post[a]:
+        while a < len(drafts) and drafts[a] == int(target_logits[a].argmax()):
             a += 1
-        return a, post[a]
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)             # [n + 1, V]
+        return a, int(target_logits[a].argmax())
     for i, x in enumerate(drafts):
+        p = torch.softmax(target_logits[i].float() / temperature, dim=-1)
         u = torch.rand((), generator=generator, device=p.device)
-        if u * draft_probs[i, x] < p[i, x]:
+        if u * draft_probs[i, x] < p[x]:
             continue
-        residual = (p[i] - draft_probs[i]).clamp(min=0)
+        residual = (p - draft_probs[i]).clamp(min=0)
         return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+    p = torch.softmax(target_logits[len(drafts)].float() / temperature, dim=-1)
+    return len(drafts), int(torch.multinomial(p, 1, generator=generator))
 
 
 def _commit(new: list[int], accepted: list[int], max_new_tokens: int, eos: set[int], bar) -> int:
@@ -176,8 +178,9 @@ def _verify(session: _hf.TargetSession, anchor: int, draft: Draft, temperature, 
         path, token, kept, hidden_states = verify_tree(session, draft.tokens, draft.parents, draft.depths, t)
         return Verified([draft.tokens[i] for i in path] + [token], kept, kept[-1], hidden_states)
     ids = torch.tensor([[anchor] + draft.tokens], device=session.device)
-    logits, hidden_states = session.forward(ids, rollback=rollback)
-    a, token = _accept(draft.tokens, draft.probs, logits[0], temperature, generator)
+    logits, hidden_states = session.forward(ids, rollback=rollback, lazy_logits=True)
+    rows = logits if isinstance(logits, _hf.LogitRows) else logits[0]
+    a, token = _accept(draft.tokens, draft.probs, rows, temperature, generator)
     if rollback:
         session.crop(t + a + 1)                               # anchor + accepted drafts stay
     return Verified(draft.tokens[:a] + [token], slice(0, a + 1), a, hidden_states)

@@ -1,5 +1,6 @@
-"""A verification's target attention reads grouped-query K/V once (``_hf.grouped_sdpa``), with
-transformers' SDPA math, and only where transformers itself would have copied them."""
+"""What a verification costs on the target side, without changing its math: a grouped-query target's
+cache read once (``_hf.grouped_sdpa``), and on a CPU the LM head run only on the rows acceptance reads
+(``_hf.LogitRows``)."""
 
 import pytest
 import torch
@@ -120,3 +121,108 @@ def test_other_attention_implementations_are_left_alone(pair, monkeypatch):
         target.set_attn_implementation("sdpa")
     assert rows == []
     assert out.sequences[0].tolist() == greedy_ar(target, ids[0], 8).tolist()
+
+
+# -- the LM head on the rows acceptance reads ----------------------------------------------------------
+
+def _head_rows(target):
+    """A list that grows by the number of rows each call of ``target``'s LM head computes."""
+    rows = []
+    target.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_logit_rows_are_the_forwards_rows_computed_when_read(kind, tmp_path):
+    target = make_target(kind, tmp_path)
+    ids = torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(0))
+    block = torch.randint(0, 90, (1, 6), generator=torch.Generator().manual_seed(1))
+    plain, lazy = _hf.TargetSession(target), _hf.TargetSession(target)
+    for s in (plain, lazy):
+        s.forward(ids)
+    full, _ = plain.forward(block)                                # [1, 6, V], every row
+    first, _ = lazy.forward(block, lazy_logits=True)              # the first such forward checks the head
+    assert isinstance(first, torch.Tensor) and _hf._PLAIN_HEAD[target] is True
+    lazy.crop(20)
+    rows = _head_rows(target)
+    got, _ = lazy.forward(block, lazy_logits=True)
+    assert isinstance(got, _hf.LogitRows) and len(got) == 6
+    assert rows == [1]                                            # the model computed row 0 alone
+    for i in (0, 3, 3, 5):
+        full64 = full[0, i].double()
+        check_close(f"row {i}", got[i], full64, full[0, i], torch.float32)
+    assert rows == [1, 1, 1]                                      # rows 3 and 5, each once
+    with pytest.raises(IndexError):
+        got[6]
+
+
+def test_a_head_with_a_transform_after_it_is_never_read_lazily(tmp_path):
+    target = make_target("gemma4", tmp_path)                      # final_logit_softcapping
+    s = _hf.TargetSession(target)
+    s.forward(torch.arange(12)[None])
+    for _ in range(2):
+        logits, _ = s.forward(torch.arange(4)[None], lazy_logits=True)
+        assert isinstance(logits, torch.Tensor) and logits.shape[1] == 4
+        s.crop(12)
+    assert _hf._PLAIN_HEAD[target] is False
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_acceptance_reads_rows_in_order_up_to_the_first_rejection(temperature):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=gen) * 3
+    drafts = [int(logits[0].argmax()), int(logits[1].argmax()), (int(logits[2].argmax()) + 1) % 40, 7, 8]
+    probs = torch.softmax(torch.randn(5, 40, generator=gen), -1)
+
+    class Spy:
+        def __init__(self):
+            self.read = []
+
+        def __len__(self):
+            return len(logits)
+
+        def __getitem__(self, i):
+            self.read.append(i)
+            return logits[i]
+
+    from fold.spec.generate import _accept
+    spy = Spy()
+    got = _accept(drafts, probs, spy, temperature, torch.Generator().manual_seed(9))
+    want = _accept(drafts, probs, logits, temperature, torch.Generator().manual_seed(9))
+    assert got == want
+    assert sorted(set(spy.read)) == list(range(got[0] + 1))      # rows 0..a, none after
+    if temperature == 0.0:
+        assert got == (2, int(logits[2].argmax()))
+
+
+def test_a_generate_on_a_cpu_pays_the_head_for_the_rows_it_reads(pair, monkeypatch):
+    target, drafter = pair
+    ids = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(6))
+    want = greedy_ar(target, ids[0], 40)[30:].tolist()
+    spec.generate(target, drafter, ids, max_new_tokens=4, policy="fold", window=8)     # the head checked once
+    calls = []
+
+    def oracle(state, anchor, read, temperature=0.0, generator=None, **_):
+        """The target's own continuation, wrong at slot (round % 4): rounds accept 0, 1, 2 or all 3."""
+        pos = state.length - 30                       # committed entries after the prompt: the anchor's index
+        assert want[pos] == anchor
+        drafts = want[pos + 1:pos + 4]
+        j = len(calls) % 4
+        if j < len(drafts):
+            drafts[j] = (drafts[j] + 1) % 90
+        calls.append(j)
+        return drafts, None
+    computed, real = [], _hf.LogitRows.__getitem__
+
+    def spy(self, i):
+        if i not in self._rows:
+            computed.append(i)
+        return real(self, i)
+    monkeypatch.setattr(drafter, "draft", oracle)
+    monkeypatch.setattr(_hf.LogitRows, "__getitem__", spy)
+    out = spec.generate(target, drafter, ids, max_new_tokens=24, policy="fold", window=8)
+    assert out.sequences[0, 30:].tolist() == want[:24]
+    per_round = out.stats["per_sequence"][0]["accepted_per_round"]   # accepted drafts + the target's token
+    assert set(per_round) == {1, 2, 3, 4}
+    # round r reads rows 0..a_r: row 0 came with the forward, rows 1..a_r were computed here, none after
+    assert sorted(computed) == sorted(i for a in per_round for i in range(1, a))
