@@ -11,6 +11,12 @@ scored by the nearest embedding row (top-1 over the whole vocabulary) on held-ba
 
     python examples/inspect_real_features.py lags --cache ~/.cache/fold/real-features --shards 4
 
+``layers``: the same probe from each hidden state of the target alone (``hidden_states[i]``, the
+embedding at 0, layer ``i - 1``'s output after it; a DFlash tap ``t`` is entry ``t + 1``), run on a
+cache's token ids, for choosing taps::
+
+    python examples/inspect_real_features.py layers --cache ~/.cache/fold/real-features --shards 2
+
 ``copy``: a drafter's per-slot accuracy (its argmax equal to the target's greedy token) on a shard,
 split by whether the slot's token continues a copy of an earlier span (``fold.demo.data.copy_mask``)
 inside a run of >= 4 copied tokens, a shorter run, or no copy::
@@ -54,6 +60,19 @@ def lag_probe(features: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, la
 
 
 @torch.no_grad()
+def layer_probe(target, ids: torch.Tensor, lags, *, train_rows: int, batch: int = 4) -> list[dict[int, float]]:
+    """:func:`lag_probe` from each entry of ``target``'s ``hidden_states`` on ``ids [N, T]``, one dict
+    per entry (the embedding first)."""
+    states = []
+    for lo in range(0, len(ids), batch):
+        out = target(ids[lo:lo + batch], output_hidden_states=True)
+        states.append(torch.stack([h.float() for h in out.hidden_states]))          # [layers + 1, b, T, H]
+    states = torch.cat(states, 1)
+    embed = target.get_input_embeddings().weight.detach()
+    return [lag_probe(h, ids, embed, lags, train_rows=train_rows) for h in states]
+
+
+@torch.no_grad()
 def copy_accuracy(drafter, features, ids, greedy, copy, *, stride: int = 7, long_run: int = 4,
                   min_context: int = 16) -> dict:
     """Per-slot argmax accuracy of ``drafter`` against the target's greedy tokens, blocks anchored every
@@ -93,6 +112,11 @@ def main(argv=None) -> None:
     lp.add_argument("--cache", type=Path, required=True)
     lp.add_argument("--shards", type=int, default=4, help="shards read (the last quarter of their sequences scores)")
     lp.add_argument("--target", type=Path, default=None)
+    yp = sub.add_parser("layers", help="the lag probe from each hidden state of the target, on a cache's ids")
+    yp.add_argument("--cache", type=Path, required=True)
+    yp.add_argument("--shards", type=int, default=2, help="shards whose ids are run (the last quarter scores)")
+    yp.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
+    yp.add_argument("--target", type=Path, default=None)
     cp = sub.add_parser("copy", help="a drafter's accuracy on copied and other tokens of one shard")
     cp.add_argument("--drafter", type=Path, required=True)
     cp.add_argument("--shard", type=Path, required=True)
@@ -109,6 +133,13 @@ def main(argv=None) -> None:
         embed = target.get_input_embeddings().weight.detach()
         print(f"{len(ids)} sequences of {ids.shape[1]} tokens; top-1 over {embed.shape[0]} tokens by lag:",
               lag_probe(feats, ids, embed, range(6), train_rows=len(ids) * 3 // 4))
+        return
+    if args.stage == "layers":
+        ids = torch.cat([load_file(str(p))["ids"] for p in existing_shards(args.cache)[:args.shards]]).long()
+        print(f"{len(ids)} sequences of {ids.shape[1]} tokens; top-1 by lag from hidden_states[i] "
+              "(0: the embedding; DFlash tap t is entry t + 1):")
+        for i, res in enumerate(layer_probe(target, ids, args.lags, train_rows=len(ids) * 3 // 4)):
+            print(f"  {i:3d}  " + "  ".join(f"lag {d}: {a:.3f}" for d, a in res.items()), flush=True)
         return
     drafter = spec.load_drafter(args.drafter, target).float()
     part = load_file(str(args.shard))

@@ -21,6 +21,29 @@ def test_lag_probe_reads_exactly_the_lags_the_features_hold():
     assert acc[2] < 0.3 and acc[3] < 0.3                    # what they do not (chance is 1/50)
 
 
+def test_layer_probe_scores_each_hidden_state_alone():
+    """A fake target whose hidden states hold the token (0), the token before (1) and nothing (2)."""
+    g = torch.Generator().manual_seed(1)
+    embed = torch.nn.Embedding(50, 16)
+    torch.nn.init.normal_(embed.weight, generator=g)
+    ids = torch.randint(0, 50, (40, 30), generator=g)
+
+    class Fake(torch.nn.Module):
+        def get_input_embeddings(self):
+            return embed
+
+        def forward(self, x, output_hidden_states):
+            e = embed(x)
+            prev = torch.cat([torch.zeros_like(e[:, :1]), e[:, :-1]], 1)
+            return SimpleNamespace(hidden_states=(e, prev, torch.randn(e.shape, generator=g)))
+
+    res = inspect_features.layer_probe(Fake(), ids, [0, 1], train_rows=30, batch=7)
+    assert len(res) == 3
+    assert res[0][0] > 0.95 and res[0][1] < 0.3
+    assert res[1][1] > 0.95 and res[1][0] < 0.3
+    assert res[2][0] < 0.3 and res[2][1] < 0.3
+
+
 def test_copy_accuracy_splits_slots_by_copy_run(monkeypatch):
     """A fake drafter right exactly on copied tokens: copies score 1, the rest 0, every slot counted once."""
     torch.manual_seed(0)
