@@ -105,3 +105,13 @@ def test_the_tuned_read_section_restores_fold_tuning_dir(monkeypatch, tmp_path, 
     with gpu_check.tuning_dir(tmp_path):
         assert gpu_check.os.environ["FOLD_TUNING_DIR"] == str(tmp_path)
     assert gpu_check.os.environ.get("FOLD_TUNING_DIR") == before
+
+
+def test_bench_verify_runs_on_small_shapes(capsys):
+    """tuning/bench_verify.py end to end on small shapes (a benchmark: only that it runs and reports)."""
+    from tuning import bench_verify
+
+    bench_verify.main(["--lengths", "64", "--rows", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                       "--vocab", "50", "--hidden", "16", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "64 keys: transformers" in out and "grouped" in out and "LM head 50 x 16: 3 rows" in out
