@@ -190,7 +190,7 @@ class TargetSession:
         if lazy:
             return LogitRows(out.logits[0, 0], out.hidden_states[-1][0], self.target.get_output_embeddings()), \
                 out.hidden_states
-        if lazy_logits and ids.shape[1] > 1 and self.target not in _PLAIN_HEAD:
+        if lazy_logits and self.device.type == "cpu" and ids.shape[1] > 1 and self.target not in _PLAIN_HEAD:
             _PLAIN_HEAD[self.target] = _is_plain_head(self.target, out.logits[0], out.hidden_states[-1][0])
         return out.logits, out.hidden_states
 
@@ -348,7 +348,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 @contextlib.contextmanager
 def grouped_verification(target):
     """Within the block, a target on transformers' ``"sdpa"`` attention runs :func:`grouped_sdpa`
-    (registered once as ``"fold_gqa"`` with SDPA's masks); any other implementation is left alone."""
+    (registered as ``"fold_gqa"``, with SDPA's masks); any other implementation is left alone."""
     previous = target.config._attn_implementation
     if previous != "sdpa" or not getattr(target, "_supports_attention_backend", False):
         yield
