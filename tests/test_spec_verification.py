@@ -143,6 +143,7 @@ def test_logit_rows_are_the_forwards_rows_computed_when_read(kind, tmp_path):
     full, _ = plain.forward(block)                                # [1, 6, V], every row
     first, _ = lazy.forward(block, lazy_logits=True)              # the first such forward checks the head
     assert isinstance(first, torch.Tensor) and _hf._PLAIN_HEAD[target] is True
+    assert torch.equal(first, full[0])                            # the sequence's rows, as a tensor
     lazy.crop(20)
     rows = _head_rows(target)
     got, _ = lazy.forward(block, lazy_logits=True)
@@ -154,6 +155,8 @@ def test_logit_rows_are_the_forwards_rows_computed_when_read(kind, tmp_path):
     assert rows == [1, 1, 1]                                      # rows 3 and 5, each once
     with pytest.raises(IndexError):
         got[6]
+    with pytest.raises(ValueError, match="lazy_logits takes one sequence"):
+        lazy.forward(torch.cat([block, block]), lazy_logits=True)
 
 
 def test_a_head_with_a_transform_after_it_is_never_read_lazily(tmp_path):
@@ -162,7 +165,7 @@ def test_a_head_with_a_transform_after_it_is_never_read_lazily(tmp_path):
     s.forward(torch.arange(12)[None])
     for _ in range(2):
         logits, _ = s.forward(torch.arange(4)[None], lazy_logits=True)
-        assert isinstance(logits, torch.Tensor) and logits.shape[1] == 4
+        assert isinstance(logits, torch.Tensor) and logits.shape[0] == 4     # one sequence's rows [T, V]
         s.crop(12)
     assert _hf._PLAIN_HEAD[target] is False
 

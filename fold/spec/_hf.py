@@ -150,10 +150,10 @@ class TargetSession:
         """``target(ids)`` on this session's cache -> ``(logits [B, T, V], hidden_states tuple)``
         (``[B, 1, V]`` with ``last_logits_only``: transformers' ``logits_to_keep=1``).
 
-        ``lazy_logits`` (one sequence on a CPU, whose LM head costs in proportion to its rows): the
-        logits come as :class:`LogitRows` of that sequence, a row computed when read, once this target
-        is known to give plain ``lm_head(last hidden state)`` logits (checked on its first such
-        forward, which returns the tensor); otherwise the tensor as usual.
+        ``lazy_logits`` (one sequence): the logits come as that sequence's rows ``[T, V]``; on a CPU,
+        whose LM head costs in proportion to its rows, as :class:`LogitRows` (a row computed when read)
+        once this target is known to give plain ``lm_head(last hidden state)`` logits (checked on its
+        first such forward, which returns the tensor's rows).
 
         With ``rollback`` (a verification) the sliding and linear-attention layers record this
         forward and the linear layers' states are copied first, so that :meth:`crop` can drop any
@@ -165,8 +165,11 @@ class TargetSession:
             kwargs["position_ids"] = position_ids
         if last_logits_only:
             kwargs["logits_to_keep"] = 1
-        lazy = (lazy_logits and ids.shape[0] == 1 and self.device.type == "cpu" and not last_logits_only
-                and _PLAIN_HEAD.get(self.target, False) and _takes_logits_to_keep(type(self.target).forward))
+        if lazy_logits and (ids.shape[0] != 1 or last_logits_only):
+            raise ValueError(f"lazy_logits takes one sequence's whole forward, got ids of shape {tuple(ids.shape)}"
+                             f"{' and last_logits_only' if last_logits_only else ''}")
+        lazy = (lazy_logits and self.device.type == "cpu" and _PLAIN_HEAD.get(self.target, False)
+                and _takes_logits_to_keep(type(self.target).forward))
         if lazy:                                                   # the model computes row 0 only
             kwargs["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=self.device)
         snapshots = {}
@@ -188,11 +191,11 @@ class TargetSession:
         if snapshots:
             self._replay = _Replay(snapshots, out.hidden_states, ids.shape[1])
         if lazy:
-            return LogitRows(out.logits[0, 0], out.hidden_states[-1][0], self.target.get_output_embeddings()), \
+            return LogitRows(out.hidden_states[-1][0], self.target.get_output_embeddings(), first=out.logits[0, 0]), \
                 out.hidden_states
         if lazy_logits and self.device.type == "cpu" and ids.shape[1] > 1 and self.target not in _PLAIN_HEAD:
             _PLAIN_HEAD[self.target] = _is_plain_head(self.target, out.logits[0], out.hidden_states[-1][0])
-        return out.logits, out.hidden_states
+        return (out.logits[0] if lazy_logits else out.logits), out.hidden_states
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` entries of every layer, whatever the layer type."""
@@ -232,13 +235,14 @@ def _is_plain_head(target, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
 
 
 class LogitRows:
-    """A verification's logits ``[T, V]`` of one sequence, each row computed the first time it is read
-    (``rows[i] -> [V]``): acceptance reads rows only up to the first mismatch, so a round pays the LM
-    head for the rows it looks at. Row 0 comes from the model's own forward."""
+    """Logits ``[T, V]`` of one sequence, each row computed the first time it is read (``rows[i] ->
+    [V]``) as ``head(hidden[i:i + 1])[0]``: acceptance reads a verification's rows only up to the first
+    mismatch, and a chain with a cutoff a drafter's only up to the first unsure slot, so each pays its
+    LM head for the rows it looks at. ``first``: row 0 if already computed (by the model's forward)."""
 
-    def __init__(self, first: torch.Tensor, hidden: torch.Tensor, head):
-        self._rows = {0: first}
-        self._hidden, self._head = hidden, head           # final hidden states [T, H], the LM head
+    def __init__(self, hidden: torch.Tensor, head, first: torch.Tensor | None = None):
+        self._rows = {} if first is None else {0: first}
+        self._hidden, self._head = hidden, head           # final hidden states [T, H], [k, H] -> [k, V]
 
     def __len__(self) -> int:
         return self._hidden.shape[0]
@@ -345,6 +349,19 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return out.reshape(b, hq, t, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+@functools.lru_cache(maxsize=None)
+def _register_grouped() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("fold_gqa", _grouped_dispatch)
+    AttentionMaskInterface.register("fold_gqa", AttentionMaskInterface._global_mapping["sdpa"])
+
+
+def _grouped_dispatch(*args, **kwargs):
+    return grouped_sdpa(*args, **kwargs)            # looked up per call, so the function stays patchable
+
+
 @contextlib.contextmanager
 def grouped_verification(target):
     """Within the block, a target on transformers' ``"sdpa"`` attention runs :func:`grouped_sdpa`
@@ -353,11 +370,7 @@ def grouped_verification(target):
     if previous != "sdpa" or not getattr(target, "_supports_attention_backend", False):
         yield
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register("fold_gqa", grouped_sdpa)
-    AttentionMaskInterface.register("fold_gqa", AttentionMaskInterface._global_mapping["sdpa"])
+    _register_grouped()
     target.set_attn_implementation("fold_gqa")
     try:
         yield

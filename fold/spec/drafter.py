@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fold
+from fold.spec._hf import LogitRows
 
 
 @dataclass
@@ -303,10 +304,15 @@ class Drafter(nn.Module):
         return self.norm(h)[0]
 
     @torch.no_grad()
+    def slot_hidden(self, state: DraftState, anchor: int, read) -> torch.Tensor:
+        """Final hidden states of the drafting slots ``[n_drafts, H]`` (the anchor's row too for DeepSpec)."""
+        hidden = self.block_hidden(state, anchor, read)
+        return hidden[1:] if not self.cfg.sample_from_anchor else hidden
+
+    @torch.no_grad()
     def slot_logits(self, state: DraftState, anchor: int, read) -> torch.Tensor:
         """Base logits of the drafting slots ``[n_drafts, vocab]`` (before any Markov bias)."""
-        hidden = self.block_hidden(state, anchor, read)
-        return self.head(hidden[1:] if not self.cfg.sample_from_anchor else hidden).float()
+        return self.head(self.slot_hidden(state, anchor, read)).float()
 
     def markov_bias(self, prev_token: int) -> torch.Tensor:
         """DSpark's bias on the next slot's logits given the previous token, ``[vocab]``."""
@@ -325,8 +331,7 @@ class Drafter(nn.Module):
         Returns ``(tokens, probs)``: at temperature 0 the argmax tokens and ``None``; otherwise tokens
         sampled from ``probs [n_drafts, vocab]``, the distributions actually used (for rejection).
         """
-        hidden = self.block_hidden(state, anchor, read)
-        hidden = (hidden[1:] if not self.cfg.sample_from_anchor else hidden)[:max_drafts]      # [n, H]
+        hidden = self.slot_hidden(state, anchor, read)[:max_drafts]                             # [n, H]
         markov = self.cfg.markov_rank > 0
         # on a CPU the LM head costs in proportion to its rows, so a chain that may stop early
         # (cutoff) computes a slot's logits only when it gets there; elsewhere all rows at once
@@ -338,11 +343,10 @@ class Drafter(nn.Module):
                 if len(low):
                     logits = logits[:int(low[0, 0])]
             return logits.argmax(-1).tolist(), None
-        logits = None if lazy else self.head(hidden).float()
+        logits = LogitRows(hidden, lambda x: self.head(x).float()) if lazy else self.head(hidden).float()
         tokens, probs, prev = [], [], anchor
         for k in range(hidden.shape[0]):
-            base = self.head(hidden[k:k + 1]).float()[0] if lazy else logits[k]
-            row = base + self.markov_bias(prev) if markov else base
+            row = logits[k] + self.markov_bias(prev) if markov else logits[k]
             if temperature == 0.0:
                 if cutoff > 0.0 and float(torch.softmax(row, -1).max()) < cutoff:
                     break

@@ -178,8 +178,7 @@ def _verify(session: _hf.TargetSession, anchor: int, draft: Draft, temperature, 
         path, token, kept, hidden_states = verify_tree(session, draft.tokens, draft.parents, draft.depths, t)
         return Verified([draft.tokens[i] for i in path] + [token], kept, kept[-1], hidden_states)
     ids = torch.tensor([[anchor] + draft.tokens], device=session.device)
-    logits, hidden_states = session.forward(ids, rollback=rollback, lazy_logits=True)
-    rows = logits if isinstance(logits, _hf.LogitRows) else logits[0]
+    rows, hidden_states = session.forward(ids, rollback=rollback, lazy_logits=True)
     a, token = _accept(draft.tokens, draft.probs, rows, temperature, generator)
     if rollback:
         session.crop(t + a + 1)                               # anchor + accepted drafts stay
