@@ -310,7 +310,10 @@ def train(args) -> dict:
                    caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
                                 extraction=m.get("log", [])) for c, m in zip(args.cache, metas)],
                    args={k: str(v) for k, v in vars(args).items()},
-                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), end_step=step, seconds=0.0)
+    # recorded now and brought up to date at each checkpoint, so a sitting stopped by hand after a
+    # checkpoint still appears in the log
+    log.setdefault("sittings", []).append(sitting)
     t0 = last_save = time.perf_counter()
     drafter.train()
     while step < args.total_steps and time.perf_counter() - t0 < args.minutes * 60:
@@ -330,10 +333,10 @@ def train(args) -> dict:
             print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
                   f"train tau {tau:.2f}", flush=True)
         if time.perf_counter() - last_save > args.save_minutes * 60:
+            sitting.update(end_step=step, seconds=round(time.perf_counter() - t0, 1))
             save_checkpoint(ckpt_path, drafter, opt, step, rng, log)
             last_save = time.perf_counter()
     sitting.update(end_step=step, seconds=round(time.perf_counter() - t0, 1))
-    log.setdefault("sittings", []).append(sitting)
     log["total_steps"] = step
     log["planned_steps"] = args.total_steps
     log["train_seconds"] = round(sum(s["seconds"] for s in log["sittings"]), 1)
