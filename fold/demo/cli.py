@@ -287,9 +287,10 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                    planted_in=None, draft_cutoff: float = 0.0) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
     :func:`prompts_for` (its retrieval cells keep the first ``prompts`` prompts whose value the target
-    retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn; records carry ``prompts_drawn``). Every row of a cell runs the same prompts and TPOT excludes the prefill, so
-    each prompt is run once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K
-    prompt's full logits are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
+    retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn; records carry ``prompts_drawn``).
+    Every row of a cell runs the same prompts and TPOT excludes the prefill, so each prompt is run
+    once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
+    are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
     from fold import spec
 
     records = []
