@@ -115,3 +115,14 @@ def test_bench_verify_runs_on_small_shapes(capsys):
                        "--vocab", "50", "--hidden", "16", "--repeats", "2"])
     out = capsys.readouterr().out
     assert "64 keys: transformers" in out and "grouped" in out and "LM head 50 x 16: 3 rows" in out
+
+
+def test_bench_vllm_keeps_code_and_the_retrieval_prompts_the_target_answers():
+    from tuning import bench_vllm
+
+    items = [("code", 8, [1], None), ("retrieval", 8, [2], [5, 6]), ("retrieval", 8, [3], [5, 7]),
+             ("retrieval", 8, [4], [9]), ("retrieval", 16, [5], [1]), ("code", 16, [6], None)]
+    ar = [dict(tokens=t) for t in ([0], [5, 7, 0], [5, 7, 0], [9, 9], [2], [0])]
+    # the first answered retrieval prompt per length (index 2; index 3 is past per_length), code always
+    assert bench_vllm.keep_answered(items, ar, per_length=1) == [0, 2, 5]
+    assert bench_vllm.keep_answered(items, ar, per_length=2) == [0, 2, 3, 5]

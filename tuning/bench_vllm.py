@@ -8,9 +8,13 @@ Run in the vLLM environment (README: "Serving with vLLM"). For each row (``ar``:
 ``--window`` / ``--alpha``) one engine serves every prompt, one request at a time, greedy; per prompt
 it reads vLLM's own counters before and after: spec-decode drafts and accepted tokens (acceptance
 length = 1 + accepted / drafts, the tokens a round commits) and the per-request time per output
-token histogram. Prompts: held-out Python stdlib code and key-value retrieval documents
-(``fold.demo.data``), tokenized with the target's tokenizer. Every row's output is checked equal to
-``ar``'s. A benchmark, not a test: an absolute time means something on this machine only.
+token histogram. Prompts: held-out Python stdlib code and retrieval prompts (``fold.demo.data``),
+tokenized with the target's tokenizer: ``--retrieval planted`` (default) plants one
+``SECRET_... = "value"`` line in held-out code, as ``fold-demo --real`` does; ``kv`` uses the toy's
+key-value documents. A retrieval prompt is kept only if ``ar``'s output begins with its stored value
+(the target retrieves it): up to ``DRAWS`` prompts are drawn per prompt wanted, ``ar`` runs them all
+and the other rows run the kept ones. Every row's output is checked equal to ``ar``'s. A benchmark,
+not a test: an absolute time means something on this machine only.
 """
 
 from __future__ import annotations
@@ -29,24 +33,45 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 ROWS = ("ar", "dflash", "window", "fold")
+DRAWS = 3                   # retrieval prompts drawn per prompt wanted, for the ones the target retrieves
 
 
-def prompts(target: Path, lengths, per_length: int, seed: int):
-    """``[(task, length, ids)]``: code and retrieval prompts of each length."""
+def prompts(target: Path, lengths, per_length: int, seed: int, retrieval: str = "planted"):
+    """``[(task, length, ids, answer)]``: ``per_length`` code prompts of each length (``answer`` None)
+    and ``DRAWS * per_length`` retrieval candidates (``answer``: the stored value's ids)."""
     from transformers import AutoTokenizer
 
     from fold.demo import data
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     rng = random.Random(seed)
-    held_out = {name: data.encode(tokenizer, text) for name, text in data.held_out_code().items()}
+    code = data.held_out_code()
+    held_out = {name: data.encode(tokenizer, text) for name, text in code.items()}
     newline = data.encode(tokenizer, "\n")
     out = []
     for length in lengths:
         for _ in range(per_length):
-            out.append(("code", length, data.code_prompt(held_out, rng, length, newline)))
-            out.append(("retrieval", length, data.retrieval_prompt(rng, tokenizer, length, length // 2)[0]))
+            out.append(("code", length, data.code_prompt(held_out, rng, length, newline), None))
+        for _ in range(DRAWS * per_length):
+            if retrieval == "planted":
+                ids, answer = data.planted_retrieval_prompt(rng, tokenizer, code, length, length // 2)
+            else:
+                ids, answer = data.retrieval_prompt(rng, tokenizer, length, length // 2)
+            out.append(("retrieval", length, ids, answer))
     return out
+
+
+def keep_answered(items, ar_results, per_length: int) -> list[int]:
+    """Indices of the items the other rows run: every code prompt, and per length the first
+    ``per_length`` retrieval prompts whose ``ar`` output begins with their stored value."""
+    kept, taken = [], {}
+    for i, ((task, length, _, answer), got) in enumerate(zip(items, ar_results)):
+        if answer is None:
+            kept.append(i)
+        elif taken.get(length, 0) < per_length and got["tokens"][:len(answer)] == list(answer):
+            taken[length] = taken.get(length, 0) + 1
+            kept.append(i)
+    return kept
 
 
 def counters(llm) -> dict:
@@ -75,7 +100,7 @@ def run_row(row, args, items):
               skip_tokenizer_init=True, seed=0, speculative_config=spec, disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     results = []
-    for task, length, ids in items:
+    for task, length, ids, _ in items:
         before = counters(llm)
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
@@ -104,18 +129,28 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--retrieval", choices=("planted", "kv"), default="planted",
+                    help="retrieval prompts: a planted line in held-out code, or the toy's key-value documents")
     ap.add_argument("--out", type=Path, default=Path("vllm-bench.json"))
     args = ap.parse_args(argv)
     if "ar" not in args.rows:
         ap.error("--rows must include ar (every output is checked against it)")
-    items = prompts(args.target, args.lengths, args.prompts, args.seed)
-    rows = {row: run_row(row, args, items) for row in args.rows}
+    drawn = prompts(args.target, args.lengths, args.prompts, args.seed, args.retrieval)
+    ar = run_row("ar", args, drawn)
+    kept = keep_answered(drawn, ar, args.prompts)
+    items = [drawn[i] for i in kept]
+    def count(some, length):
+        return sum(1 for task, n, *_ in some if task == "retrieval" and n == length)
+    answered = {length: f"{count(items, length)}/{count(drawn, length)}" for length in args.lengths}
+    rows = {row: [ar[i] for i in kept] if row == "ar" else run_row(row, args, items) for row in args.rows}
     for row, results in rows.items():
         for got, want in zip(results, rows["ar"]):
             got["lossless"] = got["tokens"] == want["tokens"]
-    args.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, rows=rows), indent=1))
+    args.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()},
+                                        retrieval_answered_of_drawn=answered, rows=rows), indent=1))
+    print(f"retrieval prompts the target answered, of those drawn, by length: {answered}")
     print(f"{'task':<10} {'length':>6} " + " ".join(f"{row + ' acc/TPOT':>22}" for row in args.rows))
-    for i, (task, length, _) in enumerate(items):
+    for i, (task, length, *_) in enumerate(items):
         cells = []
         for row in args.rows:
             r = rows[row][i]
