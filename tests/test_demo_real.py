@@ -67,6 +67,7 @@ def test_missing_package_is_a_clear_message(monkeypatch, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--real", "--artifacts", "x"], "with --real use --drafter"),
     (["--drafter", "x"], "--drafter goes with --real"),
+    (["--every-prompt"], "--every-prompt goes with --real"),
     (["--real", "--drafter", "/nonexistent/drafter"], "no drafter at /nonexistent/drafter"),
 ])
 def test_real_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):

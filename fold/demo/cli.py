@@ -284,10 +284,11 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
-                   planted_in=None, draft_cutoff: float = 0.0) -> list[dict]:
+                   planted_in=None, draft_cutoff: float = 0.0, every_prompt: bool = False) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
     :func:`prompts_for` (its retrieval cells keep the first ``prompts`` prompts whose value the target
-    retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn; records carry ``prompts_drawn``).
+    retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn; records carry ``prompts_drawn``;
+    ``every_prompt``: the first ``prompts`` drawn, retrieved or not).
     Every row of a cell runs the same prompts and TPOT excludes the prefill, so each prompt is run
     once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
     are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
@@ -297,7 +298,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
     warmed = False
     for task in tasks:
         for length in lengths:
-            answered = task == "retrieval" and planted_in is not None
+            answered = task == "retrieval" and planted_in is not None and not every_prompt
             ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
                                               held_ids, tokenizer, new_tokens, planted_in, with_answers=True)
             shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
@@ -540,6 +541,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-cutoff", type=_float_in(0.0, 1.0, high_open=True), default=0.0,
                     help="end a draft chain before the first slot whose top probability is under this, in [0, 1) "
                          "(spec.generate's draft_cutoff; 0: verify every slot, the paper's setting)")
+    ap.add_argument("--every-prompt", action="store_true",
+                    help="with --real: measure retrieval on every prompt drawn, also those whose planted value the "
+                         "target does not retrieve (default: only those it does)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -547,6 +551,8 @@ def main(argv=None) -> int:
         ap.error("--artifacts names a toy pair; with --real use --drafter")
     if args.drafter is not None and not args.real:
         ap.error("--drafter goes with --real (a toy pair is chosen with --artifacts)")
+    if args.every_prompt and not args.real:
+        ap.error("--every-prompt goes with --real (it turns off --real's choice of retrieval prompts)")
     if args.window is None:
         args.window = REAL_WINDOW if args.real else 128
     if args.real:
@@ -601,7 +607,8 @@ def main(argv=None) -> int:
                              lengths=lengths, rows=rows, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
                              log=log, last_logits_only=args.real,
-                             planted_in=held_text if args.real else None, draft_cutoff=args.draft_cutoff)
+                             planted_in=held_text if args.real else None, draft_cutoff=args.draft_cutoff,
+                             every_prompt=args.every_prompt)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,
