@@ -11,7 +11,8 @@ length = 1 + accepted / drafts, the tokens a round commits) and the per-request 
 token histogram. Prompts: held-out Python stdlib code and retrieval prompts (``fold.demo.data``),
 tokenized with the target's tokenizer: ``--retrieval planted`` (default) plants one
 ``SECRET_... = "value"`` line in held-out code, as ``fold-demo --real`` does; ``kv`` uses the toy's
-key-value documents. A retrieval prompt is kept only if ``ar``'s output begins with its stored value
+key-value documents; a retrieval prompt generates as many tokens as its stored value has (code:
+``--new-tokens``), and is kept only if ``ar``'s output is its stored value
 (the target retrieves it): up to ``DRAWS`` prompts are drawn per prompt wanted, ``ar`` runs them all
 and the other rows run the kept ones. Every row's output is checked equal to ``ar``'s. A benchmark,
 not a test: an absolute time means something on this machine only.
@@ -98,9 +99,11 @@ def run_row(row, args, items):
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.k}
     llm = LLM(model=str(args.target), dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,
               skip_tokenizer_init=True, seed=0, speculative_config=spec, disable_log_stats=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     results = []
-    for task, length, ids, _ in items:
+    for task, length, ids, answer in items:
+        # a retrieval prompt generates its stored value, so its acceptance measures the copy
+        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens if answer is None else len(answer),
+                                ignore_eos=True)
         before = counters(llm)
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
