@@ -65,11 +65,13 @@ def prompts(target: Path, lengths, per_length: int, seed: int, retrieval: str = 
 def keep_answered(items, ar_results, per_length: int) -> list[int]:
     """Indices of the items the other rows run: every code prompt, and per length the first
     ``per_length`` retrieval prompts whose ``ar`` output begins with their stored value."""
+    from fold.demo import data
+
     kept, taken = [], {}
     for i, ((task, length, _, answer), got) in enumerate(zip(items, ar_results)):
         if answer is None:
             kept.append(i)
-        elif taken.get(length, 0) < per_length and got["tokens"][:len(answer)] == list(answer):
+        elif taken.get(length, 0) < per_length and data.retrieved(got["tokens"], answer):
             taken[length] = taken.get(length, 0) + 1
             kept.append(i)
     return kept
@@ -142,6 +144,7 @@ def main(argv=None):
     ar = run_row("ar", args, drawn)
     kept = keep_answered(drawn, ar, args.prompts)
     items = [drawn[i] for i in kept]
+
     def count(some, length):
         return sum(1 for task, n, *_ in some if task == "retrieval" and n == length)
     answered = {length: f"{count(items, length)}/{count(drawn, length)}" for length in args.lengths}

@@ -123,26 +123,26 @@ def policy_options(policy: str, window: int, alpha: float, train_len: int) -> di
 
 
 def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokenizer, new_tokens: int,
-                planted_in=None, with_answers: bool = False):
-    """``(ids [count, L], tokens to generate)``: ``length``-token code windows of the held-out packages
+                planted_in=None):
+    """``(ids [count, L], tokens to generate, answers)``: ``length``-token code windows of the held-out packages
     (``held_ids``: {package: token ids}), or retrieval prompts cut to one width, generating the longest
     stored value: key-value documents, or with ``planted_in`` ({package: source text}) held-out code
     with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.data.planted_retrieval_prompt`).
-    ``with_answers``: also each prompt's stored value as token ids (None for code), as a third item."""
+    ``answers``: each retrieval prompt's stored value as token ids (None for code)."""
     from fold.demo import data
 
     rng = random.Random(f"{task}-{length}-{seed}")
     if task == "code":
         newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]        # byte-level "\n..."
         ids = torch.tensor([data.code_prompt(held_ids, rng, length, newlines) for _ in range(count)])
-        return (ids, new_tokens, None) if with_answers else (ids, new_tokens)
+        return ids, new_tokens, None
     if planted_in is not None:
         pairs = [data.planted_retrieval_prompt(rng, tokenizer, planted_in, length, length // 2) for _ in range(count)]
     else:
         pairs = [data.retrieval_prompt(rng, tokenizer, length, length // 2) for _ in range(count)]
     width = min(len(p) for p, _ in pairs)
-    ids, n_new = torch.tensor([p[len(p) - width:] for p, _ in pairs]), max(len(a) for _, a in pairs)
-    return (ids, n_new, [list(a) for _, a in pairs]) if with_answers else (ids, n_new)
+    return (torch.tensor([p[len(p) - width:] for p, _ in pairs]), max(len(a) for _, a in pairs),
+            [list(a) for _, a in pairs])
 
 
 def shifted_read(rope, shift: int):
@@ -199,6 +199,8 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
     (each prompt's stored value, token ids), a prompt is measured only if AR's first run begins with
     its value (the target retrieves it; that run is AR's first repeat), until ``wanted`` prompts are
     measured (default: all). Returns how many prompts were tried."""
+    from fold.demo import data
+
     if answers is not None and rows[0].name != "AR":
         raise ValueError(f"answers needs AR as the first row, got {rows[0].name!r}")
     wanted = ids.shape[0] if wanted is None else wanted
@@ -210,8 +212,7 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
         tried += 1
         if answers is not None:
             first = rows[0].run(prompt, n_new)
-            value = torch.tensor(answers[p])
-            if not torch.equal(first.sequences[0, prompt.shape[1]:prompt.shape[1] + len(value)], value):
+            if not data.retrieved(first.sequences[0, prompt.shape[1]:].tolist(), answers[p]):
                 if bar is not None:                     # not a retrieval for this target: the next prompt
                     bar.total += 1
                     bar.update(1)
@@ -300,7 +301,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
         for length in lengths:
             answered = task == "retrieval" and planted_in is not None and not every_prompt
             ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
-                                              held_ids, tokenizer, new_tokens, planted_in, with_answers=True)
+                                              held_ids, tokenizer, new_tokens, planted_in)
             shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
             cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared)
             if not warmed:
@@ -334,7 +335,7 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
 
     shared = spec.Prefills(target)
     length = max(16, train_len // 2)
-    ids, n_new = prompts_for("code", length, prompts, seed, held_ids, tokenizer, min(new_tokens, train_len // 2))
+    ids, n_new, _ = prompts_for("code", length, prompts, seed, held_ids, tokenizer, min(new_tokens, train_len // 2))
     ar = spec.autoregressive(target, ids, max_new_tokens=n_new, prefill=shared)
     records = []
     for label, model in (("dflash", drafter), (ANCHOR_ROW, anchor)):

@@ -302,6 +302,12 @@ PLANT_WORDS = ("violet", "harbor", "amber", "falcon", "cedar", "orbit", "maple",
                "saffron", "glacier", "heron", "marble", "nectar", "obsidian", "pepper", "raven", "sable", "tundra")
 
 
+def retrieved(generated: list[int], answer: list[int]) -> bool:
+    """Whether a target retrieved a stored value: its output (``generated``, token ids after the
+    prompt) begins with the value's ids (``answer``, as the retrieval prompts return it)."""
+    return list(generated[:len(answer)]) == list(answer)
+
+
 def planted_retrieval_prompt(rng: random.Random, tokenizer, code: dict[str, str], length: int,
                              min_distance: int) -> tuple[list[int], list[int]]:
     """Code with one planted line ``KEY_WORD_1234 = "word-word-12"`` at least ``min_distance`` tokens
