@@ -40,16 +40,20 @@ def _unit_stride(*tensors):
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, window: int, alpha: float,
                  softmax_scale: float, rotary_dim: int, interleaved: bool, attention_factor: float,
-                 keys_rotated: bool, far_per_row: bool, queries_rotated: bool,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated inputs (see ``fold.attention``) -> ``(out, lse)``, lse natural log."""
+                 keys_rotated: bool, far_per_row: bool, queries_rotated: bool, backend: str, read_far: bool,
+                 sliding_window: int, causal: bool, k_scale: float,
+                 v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs (see ``fold.attention``; ``sliding_window = -1`` for none) -> ``(out, lse)``,
+    lse natural log."""
+    sliding = None if sliding_window < 0 else sliding_window
     if backend == "torch":
         from fold._torch_backend import fold_attention_torch
 
         return fold_attention_torch(q, k, v, _rope(inv_freq, rotary_dim, interleaved, attention_factor),
                                     cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
                                     keys_rotated=keys_rotated, return_lse=True, block_table=block_table,
-                                    far_per_row=far_per_row, queries_rotated=queries_rotated)
+                                    far_per_row=far_per_row, queries_rotated=queries_rotated, read_far=read_far,
+                                    sliding_window=sliding, causal=causal, k_scale=k_scale, v_scale=v_scale)
     from fold.config_lookup import config_for
     from fold.kernels.fold_attention import fold_attention_fwd
 
@@ -60,12 +64,14 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
                                   softmax_scale=softmax_scale, rotary_dim=rotary_dim, interleaved=interleaved,
                                   attention_factor=attention_factor, keys_rotated=keys_rotated, return_lse=True,
                                   config=config, block_table=block_table, far_per_row=far_per_row,
-                                  queries_rotated=queries_rotated)
+                                  queries_rotated=queries_rotated, read_far=read_far, sliding_window=sliding,
+                                  causal=causal, k_scale=k_scale, v_scale=v_scale)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
-                    interleaved, attention_factor, keys_rotated, far_per_row, queries_rotated, backend):
+                    interleaved, attention_factor, keys_rotated, far_per_row, queries_rotated, backend, read_far,
+                    sliding_window, causal, k_scale, v_scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 

@@ -18,12 +18,14 @@ TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
 MAX_ALPHA = 1e4
 
 
-FAR_POSITIONS = ("shared", "fixed_distance")
+FAR_POSITIONS = ("shared", "fixed_distance", "none")
+# caches fold reads in another dtype than q's (dequantized on load with k_scale, v_scale), as vLLM stores them
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
               queries_rotated=False, softmax_scale=None, return_lse=False, backend="auto", check_ranges=None,
-              far_position="shared"):
+              far_position="shared", sliding_window=None, causal=False, k_scale=None, v_scale=None):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -73,7 +75,17 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
             ``"torch"`` (any device), ``"auto"``: triton on CUDA, torch otherwise.
         far_position: ``"shared"`` (FOLD, the default): every far entry sits at the one position
             ``n - D``, i.e. at distance ``D + r`` from row ``r``. ``"fixed_distance"``: at distance ``D``
-            from every row (ReRoPE as the FOLD paper adapts it; pair it with ``alpha=1``).
+            from every row (ReRoPE as the FOLD paper adapts it; pair it with ``alpha=1``). ``"none"``:
+            no far memory, the local branch alone (FOLD's window; a sliding layer's native read).
+        sliding_window: ``None`` (default), or ``Ws >= n_q`` for a sliding-window layer read by the
+            paper's per-layer rule: its native window (``p - j < Ws``, counting the row itself) is the
+            local branch, and every older entry is far memory, still at distance ``D + r``
+            (``D = window + n_q``, the full layers' far position).
+        causal: row ``r`` does not see the block's entries after its own (``j > p``), as a causal
+            sliding layer reads its block. Default: ``False`` (the block is bidirectional).
+        k_scale, v_scale: an FP8 cache (``k, v`` in ``torch.float8_e4m3fn`` or ``float8_e5m2``, as
+            vLLM stores them) holds ``k / k_scale`` and ``v / v_scale``; it is read dequantized on load.
+            Positive floats, default 1.0; any cache dtype takes them.
         check_ranges: check the values of ``cache_seqlens`` (and the pages ``block_table`` uses)
             against the cache. Reading them costs a host sync on CUDA, so ``None`` (default) checks on
             the CPU and skips on CUDA; ``True`` always checks, ``False`` never. Skipped while
@@ -101,17 +113,39 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
     """
     args = _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale,
                      return_lse, backend, check_ranges)
-    if not isinstance(queries_rotated, bool):
-        raise TypeError(f"queries_rotated must be a bool, got {type(queries_rotated).__name__}")
+    for name, flag in (("queries_rotated", queries_rotated), ("causal", causal)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if far_position not in FAR_POSITIONS:
         raise ValueError(f"far_position must be one of {FAR_POSITIONS}, got {far_position!r}")
+    n_q = q.shape[1]
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
+            raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
+        if sliding_window < n_q:
+            raise ValueError(f"sliding_window must be >= n_q={n_q} (the block must fit in the layer's window), "
+                             f"got {sliding_window}")
+    k_scale, v_scale = (validate_cache_scale(name, x) for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
     from fold._ops import attention_op
 
     out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
                             args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],
                             rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated,
-                            far_position == "shared", queries_rotated, args["backend"])
+                            far_position == "shared", queries_rotated, args["backend"], far_position != "none",
+                            -1 if sliding_window is None else int(sliding_window), causal, k_scale, v_scale)
     return (out, lse) if return_lse else out
+
+
+def validate_cache_scale(name, x) -> float:
+    """An FP8 cache's dequantization scale: None (1.0) or a finite float > 0."""
+    if x is None:
+        return 1.0
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None (a float, not a tensor: it is a launch "
+                        f"argument), got {type(x).__name__}")
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return float(x)
 
 
 def check_tensor(name, x, shape_doc):
@@ -121,10 +155,11 @@ def check_tensor(name, x, shape_doc):
         raise ValueError(f"{name} must have shape {shape_doc} (4 dims), got {tuple(x.shape)}")
 
 
-def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=(), block_table=None):
+def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=(), block_table=None, fp8_cache=False):
     """Shapes, dtypes and devices of ``q`` and a cache ``k, v``: ``[batch, max_len, heads_kv, head_dim]``,
     or pages ``[num_blocks, page_size, heads_kv, head_dim]`` with ``block_table [batch, max_blocks]``
-    (int32). ``extra`` = ``[(name, tensor)]`` more tensors that must share q's dtype and device.
+    (int32). ``extra`` = ``[(name, tensor)]`` more tensors that must share q's dtype and device;
+    ``fp8_cache``: ``k, v`` may also both be one of :data:`FP8_DTYPES`.
     Returns ``(batch, n, heads_q, head_dim, max_len, heads_kv)``."""
     paged = block_table is not None
     cache_doc = "[num_blocks, page_size, heads_kv, head_dim]" if paged else "[batch, max_len, heads_kv, head_dim]"
@@ -149,9 +184,15 @@ def validate_query_and_cache(q, k, v, *, q_doc, k_name="k", v_name="v", extra=()
         raise ValueError(f"heads_q={heads_q} (q.shape[2]) must be a multiple of heads_kv={heads_kv} ({k_name}.shape[2])")
     if q.dtype not in TORCH_DTYPES:
         raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    for name, x in ((k_name, k), (v_name, v), *extra):
+    cache_fp8 = fp8_cache and k.dtype in FP8_DTYPES
+    if cache_fp8 and v.dtype != k.dtype:
+        raise TypeError(f"{v_name} must have {k_name}'s FP8 dtype {k.dtype}, got {v.dtype}")
+    same_dtype = extra if cache_fp8 else ((k_name, k), (v_name, v), *extra)
+    for name, x in same_dtype:
         if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+            more = f" or, for an FP8 cache, both one of {[str(d) for d in FP8_DTYPES]}" if fp8_cache else ""
+            raise TypeError(f"{name} must have q's dtype {q.dtype}{more}, got {x.dtype}")
+    for name, x in ((k_name, k), (v_name, v), *extra):
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     if not paged:
@@ -180,7 +221,7 @@ def check_forward_only(tensors) -> None:
 def _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale, return_lse,
               backend, check_ranges) -> dict:
     batch, n_q, heads_q, head_dim, max_len, heads_kv = validate_query_and_cache(
-        q, k, v, q_doc="[batch, n_q, heads_q, head_dim]", block_table=block_table)
+        q, k, v, q_doc="[batch, n_q, heads_q, head_dim]", block_table=block_table, fp8_cache=True)
     if max_len < n_q:
         raise ValueError(f"the cache must hold at least n_q={n_q} entries (the block's own), got max_len={max_len}")
     if isinstance(window, bool) or not isinstance(window, numbers.Integral):

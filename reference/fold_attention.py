@@ -9,6 +9,12 @@ Entry ``j`` is in the window of row ``r`` iff ``p - j < D``, else in the far mem
     Z_N = sum_window exp(s),   Z_F = (sum_far exp(alpha * f)) ** (1 / alpha)
     out = (Z_N o_N + Z_F o_F) / (Z_N + Z_F),   lse = log(Z_N + Z_F)
 
+A sliding-window layer (``sliding_window = Ws``, the paper's per-layer rule) keeps its native window
+as the local branch: entry ``j`` is local for row ``r`` iff ``p - j < Ws``, and every older entry is
+far memory, still read at the full layers' far position (distance ``D + r``). ``causal`` hides the
+block's later entries (``j > p``) from row ``r``. ``far_position="none"`` reads the local branch
+alone (FOLD's window, or a sliding layer's native read).
+
 ``R_0 k`` is ``k`` with its rotary dimensions times ``attention_factor`` (1 unless YaRN), which is
 what "read at the shared virtual position" means: ``(R_{D+r} q) . (R_0 k) = (R_p q) . (R_{n-D} k)``.
 With ``keys_rotated`` the cache holds ``R_j k_j`` and is un-rotated here first; with
@@ -24,12 +30,9 @@ from reference.merge import merge_states_ref
 from reference.rope import apply_rope
 
 
-def _cast(x, upcast):
-    return x.to(torch.float64) if upcast else x
-
-
 def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
-                       queries_rotated=False, softmax_scale=None, far_position="shared", upcast=True):
+                       queries_rotated=False, softmax_scale=None, far_position="shared", sliding_window=None,
+                       causal=False, k_scale=1.0, v_scale=1.0, upcast=True):
     """Reference FOLD attention.
 
     q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block (``R_{n+r} q`` with
@@ -37,8 +40,12 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
     k, v: [batch, max_len, heads_kv, head_dim]; the first ``cache_seqlens[b]`` entries are valid
     rope: any object with ``inv_freq``, ``rotary_dim``, ``interleaved``, ``attention_factor``
     far_position: ``"shared"`` reads row r's far memory at distance ``D + r``; ``"fixed_distance"``
-        (ReRoPE's rule) at distance ``D`` from every row
-    upcast: compute in float64 (the truth); ``False`` computes in the inputs' dtype, which is how
+        (ReRoPE's rule) at distance ``D`` from every row; ``"none"`` reads no far memory
+    sliding_window: None, or ``Ws``: the local branch is ``p - j < Ws`` instead of ``p - j < D``
+    causal: row r does not see the block's entries after its own (``j > p``)
+    k_scale, v_scale: the cache holds ``k / k_scale`` and ``v / v_scale`` (an FP8 cache); read as
+        ``k.to(dtype) * k_scale``
+    upcast: compute in float64 (the truth); ``False`` computes in q's dtype, which is how
         large an error PyTorch itself makes in that dtype.
 
     Returns ``(out [batch, n_q, heads_q, head_dim], lse [batch, n_q, heads_q])``, both in float64
@@ -53,11 +60,13 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
     inv_freq = rope.inv_freq.to(q.device)
     d_pos = window + n_q
     outs, lses = [], []
+    span = d_pos if sliding_window is None else sliding_window      # the local branch: p - j < span
+    dtype = torch.float64 if upcast else q.dtype
     for b, length in enumerate(seqlens):
         n = length - n_q
-        qb = _cast(q[b], upcast)                                                # [n_q, Hq, d]
-        kb = _cast(k[b, :length], upcast).repeat_interleave(group, dim=1)       # [L, Hq, d]
-        vb = _cast(v[b, :length], upcast).repeat_interleave(group, dim=1)
+        qb = q[b].to(dtype)                                                     # [n_q, Hq, d]
+        kb = (k[b, :length].to(dtype) * k_scale).repeat_interleave(group, dim=1)   # [L, Hq, d]
+        vb = (v[b, :length].to(dtype) * v_scale).repeat_interleave(group, dim=1)
         j = torch.arange(length, device=q.device)
         r = torch.arange(n_q, device=q.device)
         if keys_rotated:
@@ -70,10 +79,14 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         q_far = apply_rope(qb, (d_pos + r if far_position == "shared" else d_pos + 0 * r)[:, None], inv_freq, **rot)
         s_window = torch.einsum("rhd,jhd->hrj", q_window, k_window) * scale     # [Hq, n_q, L]
         s_far = torch.einsum("rhd,jhd->hrj", q_far, k_far) * scale
-        in_window = ((n + r)[:, None] - j[None, :]) < d_pos                     # [n_q, L]
+        behind = (n + r)[:, None] - j[None, :]                                  # p - j, [n_q, L]
+        in_window = behind < span
+        is_far = ~in_window if far_position != "none" else torch.zeros_like(in_window)
+        if causal:
+            in_window &= behind >= 0
         neg_inf = torch.tensor(float("-inf"), dtype=s_window.dtype, device=q.device)
         s_window = torch.where(in_window, s_window, neg_inf)
-        s_far = torch.where(in_window, neg_inf, alpha * s_far)
+        s_far = torch.where(is_far, alpha * s_far, neg_inf)
         lse_window = torch.logsumexp(s_window, dim=-1)                         # [Hq, n_q]
         lse_far_alpha = torch.logsumexp(s_far, dim=-1)
         o_window = torch.einsum("hrj,jhd->rhd", torch.softmax(s_window, dim=-1), vb)

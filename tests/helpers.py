@@ -1,9 +1,11 @@
 """Shared test helpers: inputs, and tolerances scaled to PyTorch's own error in each dtype."""
 
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import settings
+from torch.overrides import TorchFunctionMode
 
 import fold
 from reference import apply_rope, fold_attention_ref
@@ -33,6 +35,8 @@ class Case:
     keys_rotated: bool = False
     queries_rotated: bool = False
     far_position: str = "shared"
+    sliding_window: int | None = None
+    causal: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -75,7 +79,8 @@ def make_inputs(case: Case, pad=float("nan")):
 
 def kwargs_of(case: Case, seqlens):
     return dict(window=case.window, rope=rope_of(case), alpha=case.alpha, cache_seqlens=seqlens,
-                keys_rotated=case.keys_rotated, queries_rotated=case.queries_rotated, far_position=case.far_position)
+                keys_rotated=case.keys_rotated, queries_rotated=case.queries_rotated, far_position=case.far_position,
+                sliding_window=case.sliding_window, causal=case.causal)
 
 
 def reference_pair(case: Case, q, k, v, seqlens):
@@ -92,3 +97,39 @@ def check_against_reference(case: Case, backend: str):
     (out64, lse64), (out_lp, lse_lp) = reference_pair(case, q, k, v, seqlens)
     assert_close("out", out, out64, out_lp, case.dtype)
     assert_close("lse", lse, lse64, lse_lp, case.dtype)
+
+
+class HostReads(TorchFunctionMode):
+    """Records every call that reads a tensor's values on the host (``.item()``, ``.tolist()``,
+    ``bool()``/``int()``/``float()`` of a tensor, ``nonzero``, boolean-mask indexing, ``.cpu()``,
+    ``.numpy()``): on a GPU each is a sync that a CUDA graph cannot capture. fold's custom ops run
+    their implementation inside the mode (the dispatcher would hide it); calls made by Triton's
+    interpreter itself are not fold's and are left out. ``calls``: ``(name, calling module)``."""
+
+    SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.numpy,
+             torch.Tensor.cpu, torch.Tensor.masked_select, torch.masked_select}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __enter__(self):
+        import fold._ops as ops
+
+        self._ops, self._real = ops, (ops.attention_op, ops.tree_attention_op)
+        ops.attention_op, ops.tree_attention_op = ops.attention_op._init_fn, ops.tree_attention_op._init_fn
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._ops.attention_op, self._ops.tree_attention_op = self._real
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        index = args[1] if func is torch.Tensor.__getitem__ and len(args) > 1 else ()
+        masks = any(isinstance(x, torch.Tensor) and x.dtype == torch.bool
+                    for x in (index if isinstance(index, tuple) else (index,)))
+        if (func in self.SYNCS or masks) and not caller.startswith(("triton", "numpy")):
+            self.calls.append((getattr(func, "__name__", str(func)), caller))
+        return func(*args, **(kwargs or {}))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
-from reference import apply_rope
+from reference import apply_rope, fold_attention_ref
 from tests.helpers import (INTERPRETED, Case, assert_close, check_against_reference, kwargs_of, make_inputs,
                            reference_pair, rope_of)
 from tests.test_engine_ops import to_pages
@@ -28,12 +28,16 @@ def cases(draw, dtypes, max_len_cap=2500):
     seqlens = draw(st.one_of(st.none(), st.lists(st.integers(n_q, max_len), min_size=batch, max_size=batch).map(tuple)))
     length = max_len if seqlens is None else max(seqlens)
     window = draw(st.one_of(st.integers(0, 48), st.integers(0, length + 8)))
+    # a sliding-window layer's rule now and then: its native window (>= n_q) as the local branch
+    sliding = draw(st.one_of(st.none(), st.none(), st.integers(n_q, n_q + 40), st.integers(n_q, length + 8)))
     return Case(
         batch=batch, n_q=n_q, heads_kv=draw(st.integers(1, 2)), group=draw(st.integers(1, 8)),
         head_dim=head_dim, rotary_dim=rotary_dim, interleaved=draw(st.booleans()),
         attention_factor=draw(st.sampled_from([1.0, 1.0, 1.25])), max_len=max_len, seqlens=seqlens,
         window=window, alpha=draw(st.floats(1.0, 8.0)), keys_rotated=draw(st.booleans()),
-        queries_rotated=draw(st.booleans()), far_position=draw(st.sampled_from(["shared", "fixed_distance"])),
+        queries_rotated=draw(st.booleans()),
+        far_position=draw(st.sampled_from(["shared", "shared", "fixed_distance", "none"])),
+        sliding_window=sliding, causal=draw(st.booleans() if sliding is not None else st.sampled_from([False] * 3 + [True])),
         dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
     )
 
@@ -51,6 +55,10 @@ configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64, 128]), bloc
                    seqlens=(700, 90), window=30, keys_rotated=True), config=FoldConfig(64, 64, 128, 4, 2))
 @example(case=Case(batch=2, n_q=4, group=2, head_dim=80, rotary_dim=64, max_len=333, seqlens=(333, 41), window=300),
          config=FoldConfig(16, 128, 3, 4, 2))
+@example(case=Case(batch=2, n_q=7, heads_kv=2, group=2, max_len=260, seqlens=(260, 40), window=16, sliding_window=33,
+                   causal=True, keys_rotated=True, queries_rotated=True), config=FoldConfig(16, 16, 4, 4, 2))
+@example(case=Case(batch=2, n_q=4, group=3, max_len=150, seqlens=(150, 9), window=8, sliding_window=4, causal=True,
+                   far_position="none"), config=FoldConfig(32, 32, 2, 4, 2))
 def test_triton_matches_reference(case, config):
     """The fused kernels (in the interpreter; bf16 through its upcast path) against the float64 reference."""
     with use_config(config):
@@ -60,6 +68,8 @@ def test_triton_matches_reference(case, config):
 @given(case=cases(dtypes=[torch.float32, torch.float16, torch.bfloat16, torch.float64], max_len_cap=6000))
 @example(case=Case(batch=2, n_q=10, heads_kv=2, group=4, head_dim=128, max_len=9000, seqlens=(9000, 5000),
                    window=2048, dtype=torch.bfloat16, keys_rotated=True))
+@example(case=Case(batch=2, n_q=7, heads_kv=2, group=2, max_len=3000, seqlens=(3000, 40), window=16, sliding_window=512,
+                   causal=True, keys_rotated=True, queries_rotated=True))
 def test_torch_matches_reference(case):
     check_against_reference(case, backend="torch")
 
@@ -278,3 +288,26 @@ def test_triton_reads_a_paged_cache_as_the_contiguous_one(case, page_size, confi
     (out64, lse64), (out_lp, lse_lp) = reference_pair(case, q, k, v, seqlens)
     assert_close("paged out", out, out64, out_lp, case.dtype)
     assert_close("paged lse", lse, lse64, lse_lp, case.dtype)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 4))
+@given(case=cases(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_len_cap=400),
+       fp8=st.sampled_from([torch.float8_e4m3fn, torch.float8_e5m2]), k_scale=st.floats(0.05, 4.0),
+       v_scale=st.floats(0.05, 4.0), backend=st.sampled_from(BACKENDS), paged=st.booleans())
+def test_fp8_cache_reads_as_its_dequantized_cache(case, fp8, k_scale, v_scale, backend, paged):
+    """An FP8 cache holding k / k_scale and v / v_scale (vLLM's layout): the read equals the reference
+    on the dequantized cache, within PyTorch's own error on the same FP8 cache in q's dtype."""
+    case = case.with_(seqlens=case.seqlens or (case.max_len,) * case.batch)
+    q, k, v, seqlens = make_inputs(case, pad=0.0)
+    k8, v8 = (k.double() / k_scale).to(fp8), (v.double() / v_scale).to(fp8)
+    kw = kwargs_of(case, seqlens)
+    truth, _ = fold_attention_ref(q, k8.double() * k_scale, v8.double() * v_scale, **kw)
+    twin, _ = fold_attention_ref(q, k8, v8, **kw, k_scale=k_scale, v_scale=v_scale, upcast=False)
+    if paged:
+        (k8, table), (v8, _) = (to_pages(x.double(), seqlens, 16, torch.Generator().manual_seed(case.seed))
+                                for x in (k8, v8))                      # the same pages for keys and values
+        k8, v8 = k8.to(fp8), v8.to(fp8)                     # unused slots: garbage, NaN where out of range
+        kw["block_table"] = table
+    with use_config(FoldConfig(16, 32, 2, 4, 2)):
+        out = fold.attention(q, k8, v8, **kw, k_scale=k_scale, v_scale=v_scale, backend=backend)
+    assert_close("fp8 out", out, truth, twin, case.dtype)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import fold
 from fold.spec.tree import tree_mask
 from reference import tree_attention_ref
-from tests.helpers import Case, assert_close, kwargs_of, make_inputs, reference_pair
+from tests.helpers import Case, HostReads, assert_close, kwargs_of, make_inputs, reference_pair
 
 PAGED_BACKENDS = ["torch", "triton"]
 
@@ -173,7 +173,7 @@ def test_the_ops_are_registered_custom_ops():
     q, k, v, seqlens = make_inputs(CASE, pad=0.0)
     torch.library.opcheck(torch.ops.fold.attention.default,
                           (q, k, v, fold.Rope.from_theta(10000.0, 16).inv_freq, seqlens.int(), None, 8, 2.0, 0.25, 16,
-                           False, 1.0, False, True, False, "torch"))
+                           False, 1.0, False, True, False, "torch", True, -1, False, 1.0, 1.0))
 
 
 def test_a_paged_read_is_configured_for_the_tables_reach(monkeypatch):
@@ -190,3 +190,29 @@ def test_a_paged_read_is_configured_for_the_tables_reach(monkeypatch):
     fold.tree_attention(q[:, :3], kp, vp, kt, vt, tree_mask([-1, 0, 0])[None].expand(2, 3, 3), cache_seqlens=seqlens,
                         block_table=table, backend="triton")
     assert seen == [table.shape[1] * kp.shape[1]] * 2
+
+
+@pytest.mark.parametrize("options", [dict(), dict(far_position="none"), dict(sliding_window=12, causal=True),
+                                     dict(fp8=True, k_scale=0.5, v_scale=2.0), dict(queries_rotated=True,
+                                                                                  keys_rotated=True)],
+                         ids=["fold", "window", "sliding", "fp8", "engine-layout"])
+def test_the_triton_path_reads_no_tensor_on_the_host(options):
+    """What a CUDA graph needs of a read: with range checks off (as engines call it), neither the
+    launchers nor the validation read a tensor on the host (the torch path, a CPU's, may); the control
+    shows the detector sees such reads."""
+    options = dict(options)
+    q, kp, vp, seqlens, table = _paged_args()
+    if options.pop("fp8", False):
+        kp, vp = kp.to(torch.float8_e4m3fn), vp.to(torch.float8_e4m3fn)
+    kw = dict(window=8, rope=fold.Rope.from_theta(10000.0, 16), cache_seqlens=seqlens, block_table=table,
+              check_ranges=False, **options)
+    with HostReads() as reads:
+        out = fold.attention(q, kp, vp, **kw, backend="triton")
+        kt, vt = kp[0, :3].unsqueeze(0).expand(2, 3, 2, 16), vp[0, :3].unsqueeze(0).expand(2, 3, 2, 16)
+        if kp.dtype == q.dtype:
+            fold.tree_attention(q[:, :3], kp, vp, kt, vt, tree_mask([-1, 0, 0])[None].expand(2, 3, 3),
+                                cache_seqlens=seqlens, block_table=table, check_ranges=False, backend="triton")
+    assert reads.calls == [] and torch.isfinite(out).all()
+    with HostReads() as control:
+        fold.attention(q, kp, vp, **kw, backend="torch")
+    assert ("tolist", "fold._torch_backend") in control.calls

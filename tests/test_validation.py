@@ -52,7 +52,18 @@ BAD = [
     (dict(queries_rotated=1), TypeError, "queries_rotated must be a bool"),
     (dict(return_lse=None), TypeError, "return_lse must be a bool"),
     (dict(backend="cuda"), ValueError, "backend must be one of ('auto', 'torch', 'triton')"),
-    (dict(far_position="row"), ValueError, "far_position must be one of ('shared', 'fixed_distance')"),
+    (dict(far_position="row"), ValueError, "far_position must be one of ('shared', 'fixed_distance', 'none')"),
+    (dict(sliding_window=3), ValueError, "sliding_window must be >= n_q=4"),
+    (dict(sliding_window=8.0), TypeError, "sliding_window must be an int or None"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(k_scale=0.0), ValueError, "k_scale must be finite and > 0"),
+    (dict(v_scale=torch.tensor(2.0)), TypeError, "v_scale must be a real number or None (a float, not a tensor"),
+    (dict(k=torch.randn(2, 40, 2, 32).to(torch.float8_e4m3fn)), TypeError,
+     "v must have k's FP8 dtype torch.float8_e4m3fn"),
+    (dict(k=torch.randn(2, 40, 2, 32).to(torch.float8_e4m3fn), v=torch.randn(2, 40, 2, 32).to(torch.float8_e5m2)),
+     TypeError, "v must have k's FP8 dtype"),
+    (dict(v=torch.randn(2, 40, 2, 32).to(torch.float8_e5m2)), TypeError,
+     "v must have q's dtype torch.float32 or, for an FP8 cache, both one of"),
 ]
 
 

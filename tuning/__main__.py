@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p_inspect.add_argument("--sms", type=_positive(int), default=132, help="SMs the split model assumes")
     p_inspect.add_argument("--arch", type=_positive(int), default=90, help="compile for sm_<arch>")
     p_inspect.add_argument("--no-tree", action="store_true", help="leave out fold.tree_attention's launches")
+    p_inspect.add_argument("--no-serving", action="store_true",
+                           help="leave out the reads fold.vllm serves (window alone, sliding + causal, FP8 pages)")
     p_inspect.add_argument("--page-size", type=_positive(int), default=None,
                            help="read a paged cache (block_table) with pages of this many entries")
     p_inspect.add_argument("--json", action="store_true", help="print one JSON list, one object per launch")
@@ -115,7 +117,8 @@ def inspect(args) -> int:
         items = static_report.plan(args.drafters, args.lengths or static_report.DEFAULT_LENGTHS,
                                    tuple(x == "rotated" for x in args.layout),
                                    heads_kv=args.heads_kv or static_report.DEFAULT_HEADS_KV, tree=not args.no_tree,
-                                   device=args.device, sms=args.sms, page_size=args.page_size or 0)
+                                   device=args.device, sms=args.sms, page_size=args.page_size or 0,
+                                   serving=not args.no_serving)
     except ValueError as exc:
         print(f"python -m tuning inspect: error: {exc}", file=sys.stderr)
         return 2

@@ -128,6 +128,15 @@ DEFAULT_LENGTHS = (8192, 32768, 131072, 262144)
 # batch 1 are where the split model picks the most splits, so stage 2 merges the most states
 DEFAULT_HEADS_KV = (1, 2, 4, 8)
 TREE_NODES = 16
+SERVE_PAGE = 16          # vLLM's CUDA block size
+# the reads fold.vllm serves besides FOLD itself (rotated keys and queries, a paged cache), each a
+# variant of the launches: name -> fold_attention_fwd options (sliding windows: Gemma-style 512)
+SERVING = {
+    "serve-fold": dict(),
+    "serve-window": dict(read_far=False),
+    "serve-sliding": dict(sliding_window=512, causal=True),
+    "serve-fp8": dict(k_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5),
+}
 
 
 @dataclasses.dataclass
@@ -141,6 +150,7 @@ class Item:
     keys_rotated: bool
     config: dict
     launch: Launch
+    read: str = "fold"
 
 
 def _meta(*shape, dtype):
@@ -148,25 +158,29 @@ def _meta(*shape, dtype):
 
 
 def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int = 1,
-                  dtype=torch.bfloat16, seqlens=None, page_size: int = 0) -> list[Launch]:
+                  dtype=torch.bfloat16, seqlens=None, page_size: int = 0, k_dtype=None, **options) -> list[Launch]:
     """The launches of one ``fold.attention`` read of a ``DrafterShape`` with ``config`` (from a
-    paged cache with ``page_size``, which implies cache_seqlens)."""
+    paged cache with ``page_size``, which implies cache_seqlens; a cache in ``k_dtype``, default q's);
+    ``options`` go to the launcher (``read_far``, ``sliding_window``, ``causal``, ``queries_rotated``,
+    ``k_scale``, ``v_scale``)."""
     from fold.kernels.fold_attention import fold_attention_fwd
 
     q = _meta(batch, shape.n_q, shape.heads_q, shape.head_dim, dtype=dtype)
+    k_dtype = k_dtype or dtype
     paged = {}
     if page_size:
         blocks = -(-length // page_size)
-        k = _meta(batch * blocks, page_size, shape.heads_kv, shape.head_dim, dtype=dtype)
+        k = _meta(batch * blocks, page_size, shape.heads_kv, shape.head_dim, dtype=k_dtype)
         paged = dict(block_table=_meta(batch, blocks, dtype=torch.int32))
         seqlens = _meta(batch, dtype=torch.int32)
     else:
-        k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=dtype)
+        k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=k_dtype)
     inv_freq = _meta(shape.head_dim // 2, dtype=torch.float32)
     with record_launches() as seen:
         fold_attention_fwd(q, k, k, inv_freq, seqlens, window=shape.window, alpha=2.0,
                            softmax_scale=shape.head_dim ** -0.5, rotary_dim=shape.head_dim, interleaved=False,
-                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=True, config=config, **paged)
+                           attention_factor=1.0, keys_rotated=keys_rotated, return_lse=True, config=config, **paged,
+                           **options)
     return seen
 
 
@@ -215,11 +229,14 @@ def _launch_config(launch: Launch) -> dict:
 
 
 def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads_kv=DEFAULT_HEADS_KV,
-         tree: bool = True, device: str = "NVIDIA_H200", sms: int = H200_SMS, page_size: int = 0) -> list[Item]:
+         tree: bool = True, device: str = "NVIDIA_H200", sms: int = H200_SMS, page_size: int = 0,
+         serving: bool = True) -> list[Item]:
     """Every launch fold makes on ``device`` at batch 1 for the drafter shapes, each with every
     count of KV heads in ``heads_kv`` (``None``: the shape's own) x key layouts x lengths (the fused
-    read: prologue, stage 1, stage 2), and for ``fold.tree_attention`` with :data:`TREE_NODES` nodes
-    at each length (its cached read and the tree kernel)."""
+    read: prologue, stage 1, stage 2), for ``fold.tree_attention`` with :data:`TREE_NODES` nodes
+    at each length (its cached read and the tree kernel), and with ``serving`` the reads of
+    :data:`SERVING` as ``fold.vllm`` launches them (the shape's own KV heads, rotated queries and keys,
+    pages of :data:`SERVE_PAGE`)."""
     from tuning.workloads import DRAFTERS
 
     items = []
@@ -239,6 +256,16 @@ def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads
                     for launch in tree_launches(shape, length, config):
                         kernel = launch.name if launch.name == "tree_fwd_kernel" else f"tree/{_kernel_name(launch)}"
                         items.append(Item(kernel, name, kv, length, True, _launch_config(launch), launch))
+        if not serving:
+            continue
+        shape = DRAFTERS[name]
+        for length in lengths:
+            config = launched_config(shape, length, True, device=device, sms=sms)
+            for read, options in SERVING.items():
+                for launch in fold_launches(shape, length, True, config, page_size=SERVE_PAGE, queries_rotated=True,
+                                            **options):
+                    items.append(Item(_kernel_name(launch), name, shape.heads_kv, length, True,
+                                      _launch_config(launch), launch, read))
     return items
 
 
@@ -264,7 +291,8 @@ def report(items: list[Item], *, arch: int = 90, dump: Path | None = None, worke
                 Path(dump).mkdir(parents=True, exist_ok=True)
                 (Path(dump) / name).write_bytes(cubin)
         res = resources[digest]
-        records.append(dict(kernel=item.kernel, shape=item.shape, heads_kv=item.heads_kv, length=item.length,
+        records.append(dict(kernel=item.kernel, read=item.read, shape=item.shape, heads_kv=item.heads_kv,
+                            length=item.length,
                             keys_rotated=item.keys_rotated, config=item.config, arch=f"sm_{arch}",
                             registers=res["registers"], spill_stores=res["spill_stores"],
                             spill_loads=res["spill_loads"], shared_bytes=shared, wgmma=res["wgmma"],
@@ -309,7 +337,7 @@ def stage1_spills(shape, keys_rotated: bool, tiles, *, arch: int = 90, length: i
     return out
 
 
-HEADER = (f"{'shape':<12} {'Hkv':>3} {'layout':<9} {'L':>7} {'kernel':<22} {'config':<34} {'regs':>4} "
+HEADER = (f"{'shape':<12} {'read':<13} {'Hkv':>3} {'layout':<9} {'L':>7} {'kernel':<22} {'config':<34} {'regs':>4} "
           f"{'spill st/ld':>11} {'smem KB':>7} {'wgmma':>5} {'CTA/SM':>6}")
 
 
@@ -321,7 +349,7 @@ def format_row(r: dict) -> str:
     else:
         config = " ".join(f"{k}={v}" for k, v in c.items())
     layout = "rotated" if r["keys_rotated"] else "unrotated"
-    return (f"{r['shape']:<12} {r['heads_kv']:>3} {layout:<9} {r['length']:>7} "
+    return (f"{r['shape']:<12} {r.get('read', 'fold'):<13} {r['heads_kv']:>3} {layout:<9} {r['length']:>7} "
             f"{r['kernel']:<22} {config:<34} {r['registers']:>4} "
             f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>11} {r['shared_bytes'] / 1024:>7.1f} "
             f"{r['wgmma']:>5} {r['ctas_per_sm']:>6}")

@@ -304,14 +304,15 @@ def _row_offsets(o_n, m_n, p_table, stride_kb, stride_kn, stride_vb, stride_vn, 
 
 
 @triton.jit
-def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn, lo, hi, o_ws,
-            InvFreq, Trig, MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, ROTATE: tl.constexpr,
+def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn, lo, hi, o_ws, span,
+            InvFreq, Trig, MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr,
             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] scaled, in the key
-    # tile's column order; o_ws [BM]: the row's first window entry. Unmasked (MASKED=False) only where
-    # every entry of every tile is valid and in this branch for every row.
+    # tile's column order; o_ws [BM]: the row's first window entry (its own at o_ws + span - 1).
+    # Unmasked (MASKED=False) only where every entry of every tile is valid and in this branch for
+    # every row.
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     EVEN_PAIRS: tl.constexpr = (PASS == 0) & (2 * ROT_HALF == BLOCK_D)
     o_d = tl.arange(0, BLOCK_D)
@@ -356,14 +357,16 @@ def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_
             else:                               # natural order (NeoX), or the pair order [a | b]
                 k = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_N, BLOCK_D))
             k = k.to(q.dtype)
-        else:
-            k = _load_rows(p_k0 + r_k[:, None] + o_d[None, :], m_n, m_d, MASKED, not EVEN_D, UPCAST)
-        v = _load_rows(p_v, m_n, m_d, MASKED, not EVEN_D, UPCAST)
+        else:   # in the query tile's dtype: an FP8 cache is dequantized on load (its scale is in q's)
+            k = _load_rows(p_k0 + r_k[:, None] + o_d[None, :], m_n, m_d, MASKED, not EVEN_D, UPCAST).to(q.dtype)
+        v = _load_rows(p_v, m_n, m_d, MASKED, not EVEN_D, UPCAST).to(q.dtype)
         # [BM, BLOCK_D] @ [BLOCK_D, BN] -> [BM, BN], base-2 logits
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             if IS_WINDOW:
                 m_s = m_n[None, :] & (o_n[None, :] >= o_ws[:, None])
+                if CAUSAL:                      # row r sees the block up to its own entry: j <= ws_r + span - 1
+                    m_s = m_s & (o_n[None, :] < (o_ws + span)[:, None])
             else:
                 m_s = m_n[None, :] & (o_n[None, :] < o_ws[:, None])
             s = tl.where(m_s, s, float("-inf"))
@@ -380,7 +383,7 @@ def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
     tl.store(p_lse, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["n_q", "max_len", "window", "num_splits", "state_offset"])
+@triton.jit(do_not_specialize=["n_q", "max_len", "span", "num_splits", "state_offset"])
 def fold_fwd_kernel_stage1(
     Q, K, V, InvFreq, Trig, SeqLens, BlockTable, OPart, LsePart,
     stride_qb, stride_qh, stride_qm,
@@ -389,15 +392,16 @@ def fold_fwd_kernel_stage1(
     stride_tb,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
-    heads_kv, n_q, max_len, window, num_splits, state_offset, q_scale,
+    heads_kv, n_q, max_len, span, num_splits, state_offset, q_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
-    ROTATE: tl.constexpr, PLAIN: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTATE: tl.constexpr, PLAIN: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # one branch (IS_WINDOW or the far memory) over its entries of one sequence, split in num_splits
-    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. Q is the prologue's
+    # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. Row r's local branch is
+    # p - j < span (W + n_q, or a sliding layer's window), CAUSAL hides j > p. Q is the prologue's
     # [B, Hkv, rows, BLOCK_D] (stride_qm per row m); with PLAIN, a plain read: every row reads every
     # entry [0, L), Q is the caller's [B, n_q, Hq, d] (stride_qm per draft row), scaled by q_scale
     # here. With PAGE_SIZE > 0, K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable
@@ -419,14 +423,14 @@ def fold_fwd_kernel_stage1(
         lo = 0
         hi = seq_len
     else:
-        win_lo = n_ctx - window - n_q + 1   # row r's window starts at win_lo + r
+        win_lo = n_ctx - span + 1           # row r's window starts at win_lo + r
         o_ws = win_lo + o_r                 # [BM]
         if IS_WINDOW:                       # window: [win_lo, L), from a BLOCK_N-aligned start
             lo = tl.maximum(win_lo, 0) // BLOCK_N * BLOCK_N
             hi = seq_len
-        else:                               # far memory: entries < n - W are far for at least one row
+        else:                               # far memory: entries < win_lo + n_q - 1 are far for some row
             lo = 0
-            hi = tl.maximum(n_ctx - window, 0)
+            hi = tl.maximum(win_lo + n_q - 1, 0)
     # this split's share of the branch's tiles: balanced to one tile
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     start = lo + (i_split * n_tiles // num_splits) * BLOCK_N
@@ -460,8 +464,9 @@ def fold_fwd_kernel_stage1(
         for masked in tl.static_range(2):   # [start, mid) unmasked, then [mid, end) masked
             if masked or not IS_WINDOW:
                 m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
-                                        stride_vn, mid if masked else start, end if masked else mid, o_ws, InvFreq,
-                                        Trig, masked, IS_WINDOW, ROTATE, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                        stride_vn, mid if masked else start, end if masked else mid, o_ws, span,
+                                        InvFreq, Trig, masked, IS_WINDOW, CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N,
+                                        HEAD_DIM, BLOCK_D,
                                         ROT_HALF, PASS, INTERLEAVED, UPCAST, DOT_PRECISION)
         p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os
                + o_d[None, :])
@@ -481,20 +486,20 @@ def _branch_mass(m, z, lse, in_branch):
     return m_new, z
 
 
-@triton.jit(do_not_specialize=["n_q", "far_states", "num_states"])
+@triton.jit(do_not_specialize=["n_q", "far_states", "num_states", "v_scale"])
 def fold_fwd_kernel_stage2(
     OPart, LsePart, Out, Lse,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
     stride_outb, stride_outn, stride_outh,
     stride_lseb, stride_lsen,
-    heads_q, n_q, far_states, num_states, inv_alpha,
+    heads_q, n_q, far_states, num_states, inv_alpha, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr, LSE_BASE2: tl.constexpr,
 ):
     # one row: its states [far splits | window splits], BLOCK_S at a time (a [BLOCK_S, BLOCK_D] tile
     # of o per step, whatever the split count); two passes: each branch's mass from the LSEs, then
-    # the weighted sum of the states' o
+    # the weighted sum of the states' o, times v_scale (an FP8 cache holds v / v_scale)
     pid = tl.program_id(0)
     i_b = (pid // (heads_q * n_q)).to(tl.int64)
     i_hq = ((pid // n_q) % heads_q).to(tl.int64)
@@ -525,7 +530,7 @@ def fold_fwd_kernel_stage2(
     w_f = tl.exp2(lse_f - m_safe)
     total = w_w + w_f
     # a state's weight in the output: its branch's mass x its share of that branch
-    norm = tl.where(total == 0.0, 1.0, total)
+    norm = tl.where(total == 0.0, 1.0, total) / v_scale
     scale_w = w_w / tl.where(z_w == 0.0, 1.0, z_w) / norm              # x e = the state's weight
     scale_f = w_f / tl.where(z_f == 0.0, 1.0, z_f) / norm
     out = tl.zeros([BLOCK_D], tl.float32)
@@ -549,10 +554,11 @@ def fold_fwd_kernel_stage2(
             tl.store(Lse + i_b * stride_lseb + i_r * stride_lsen + i_hq, lse2 * LN2)
 
 
-def window_splits(num_splits: int, max_len: int, window: int, n_q: int, block_n: int) -> int:
-    """Splits of the window launch: as many as the far memory's (it runs alone, so it should fill the
-    GPU as that does), within :func:`split_counts` of its entries."""
-    entries = min(max_len, window + 2 * n_q - 1 + block_n)   # the window and its alignment to a tile
+def window_splits(num_splits: int, max_len: int, span: int, n_q: int, block_n: int) -> int:
+    """Splits of the window launch (a row's local branch ``p - j < span``): as many as the far
+    memory's (it runs alone, so it should fill the GPU as that does), within :func:`split_counts` of
+    its entries."""
+    entries = min(max_len, span + n_q - 1 + block_n)         # the window and its alignment to a tile
     return max(s for s in split_counts(entries, block_n) if s <= max(1, num_splits))
 
 
@@ -564,7 +570,8 @@ def cache_len(k, block_table=None) -> int:
 
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
-                       block_table=None, far_per_row=True, lse_base2=False, queries_rotated=False):
+                       block_table=None, far_per_row=True, lse_base2=False, queries_rotated=False, read_far=True,
+                       sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0):
     """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
     stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
@@ -576,6 +583,10 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     memory at distance D from every row (ReRoPE) instead of D + r; ``lse_base2`` returns the LSE in
     base 2 (for the tree launcher, which merges in base 2), not the public natural log;
     ``queries_rotated``: q holds ``R_{n+r} q`` (the prologue turns each branch's copy by the difference).
+    ``read_far=False`` leaves the far launch out (the local branch alone); ``sliding_window`` ``Ws``
+    makes a row's local branch ``p - j < Ws`` (default ``p - j < D``); ``causal`` hides ``j > p``.
+    ``k, v`` may be FP8 (read as ``k * k_scale``, ``v * v_scale``: ``k_scale`` joins the logit scale,
+    ``v_scale`` the output; the query tiles stay in q's dtype).
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -587,8 +598,9 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     # the branch that rotates keys reads at most ROT_BLOCK_N entries per tile
     block_n_far = min(config.block_n, ROT_BLOCK_N) if keys_rotated else config.block_n
     block_n_win = config.block_n if keys_rotated else min(config.block_n, ROT_BLOCK_N)
-    far_splits = config.num_splits if max_len - n_q - window > 0 else 0
-    win_splits = window_splits(config.num_splits, max_len, window, n_q, block_n_win)
+    span = window + n_q if sliding_window is None else sliding_window        # row r's local: p - j < span
+    far_splits = config.num_splits if read_far and max_len > span else 0
+    win_splits = window_splits(config.num_splits, max_len, span, n_q, block_n_win)
     # the rotary factor f scales q and k alike: q carries f for itself (unless it arrives rotated) and,
     # with unrotated keys, for the key too (a rotated cache holds it; un-rotating is a pure rotation)
     q_rot_scale = (1.0 if queries_rotated else attention_factor) * (1.0 if keys_rotated else attention_factor)
@@ -598,7 +610,9 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
                   M_TILES=m_tiles, BLOCK_M=config.block_m)
     rot_block_n = block_n_win if not keys_rotated else block_n_far
 
-    qw = torch.empty(batch, heads_kv, rows, block_d, device=q.device, dtype=torch.float32 if upcast else k.dtype)
+    # the query tiles in the cache's dtype (the dot's), or q's for an FP8 cache, float32 for the upcast path
+    tile_dtype = torch.float32 if upcast else (q.dtype if k.element_size() == 1 else k.dtype)
+    qw = torch.empty(batch, heads_kv, rows, block_d, device=q.device, dtype=tile_dtype)
     qf = torch.empty_like(qw)
     trig = torch.empty(2, rot_block_n, block_d // 2, device=q.device, dtype=torch.float32)
     o_part, lse_part = _partial_states(q, far_splits + win_splits)
@@ -607,7 +621,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         q, inv_freq, seqlens, qw, qf, trig,
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
-        heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * LOG2E, alpha * softmax_scale * LOG2E,
+        heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * k_scale * LOG2E,
+        alpha * softmax_scale * k_scale * LOG2E,
         **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, FAR_PER_ROW=far_per_row,
         QUERIES_ROTATED=queries_rotated, num_warps=4 if config.block_m <= 64 else 8,
     )
@@ -615,11 +630,12 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
             (True, qw, win_splits, far_splits, block_n_win), (False, qf, far_splits, 0, block_n_far)):
         if splits:
             _stage1(q_branch, (q_branch.stride(0), q_branch.stride(1), q_branch.stride(2)), k, v, inv_freq, trig,
-                    cache_seqlens, block_table, o_part, lse_part, config, window=window, splits=splits,
-                    state_offset=offset, q_scale=1.0, consts=dict(consts, IS_WINDOW=is_window,
-                                                                  ROTATE=is_window != keys_rotated, BLOCK_N=block_n))
+                    cache_seqlens, block_table, o_part, lse_part, config, span=span, splits=splits,
+                    state_offset=offset, q_scale=1.0,
+                    consts=dict(consts, IS_WINDOW=is_window, CAUSAL=causal and is_window,
+                                ROTATE=is_window != keys_rotated, BLOCK_N=block_n))
     return _stage2(o_part, lse_part, q, far_splits, 1.0 / alpha, out_dtype=out_dtype, return_lse=return_lse,
-                   lse_base2=lse_base2)
+                   lse_base2=lse_base2, v_scale=v_scale)
 
 
 def plain_attention_fwd(q, k, v, cache_seqlens, *, softmax_scale, config: FoldConfig, out_dtype=None,
@@ -634,10 +650,10 @@ def plain_attention_fwd(q, k, v, cache_seqlens, *, softmax_scale, config: FoldCo
     o_part, lse_part = _partial_states(q, config.num_splits)
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), ROT_HALF=0,
                   PASS=head_dim, INTERLEAVED=False, HAS_SEQLENS=cache_seqlens is not None, M_TILES=m_tiles,
-                  BLOCK_M=config.block_m, IS_WINDOW=False, ROTATE=False, BLOCK_N=config.block_n)
+                  BLOCK_M=config.block_m, IS_WINDOW=False, CAUSAL=False, ROTATE=False, BLOCK_N=config.block_n)
     # q read in place: rows r * GROUP + h at (b, r, kvh * GROUP + h), so the row stride is the draft row's
     _stage1(q, (q.stride(0), q.stride(2), q.stride(1)), k, v, lse_part, lse_part, cache_seqlens, block_table,
-            o_part, lse_part, config, window=0, splits=config.num_splits, state_offset=0,
+            o_part, lse_part, config, span=0, splits=config.num_splits, state_offset=0,
             q_scale=softmax_scale * LOG2E, consts=dict(consts, PLAIN=True))
     return _stage2(o_part, lse_part, q, 0, 1.0, out_dtype=out_dtype, return_lse=return_lse, lse_base2=lse_base2)
 
@@ -652,7 +668,7 @@ def _partial_states(q, states: int):
 
 
 def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_part, lse_part, config: FoldConfig, *,
-            window, splits, state_offset, q_scale, consts):
+            span, splits, state_offset, q_scale, consts):
     """One stage-1 launch of ``splits`` splits writing states ``state_offset + i``; ``consts`` hold
     its constexprs but PAGE_SIZE, PLAIN (default off), UPCAST and DOT_PRECISION."""
     batch, n_q, heads_kv = o_part.shape[0], o_part.shape[2], k.shape[2]
@@ -667,14 +683,15 @@ def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_pa
         table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        heads_kv, n_q, cache_len(k, block_table), window, splits, state_offset, q_scale,
+        heads_kv, n_q, cache_len(k, block_table), span, splits, state_offset, q_scale,
         **{"PLAIN": False, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0, UPCAST=upcast,
-        DOT_PRECISION="ieee" if (k.dtype == torch.float32 or upcast) else "tf32",
+        DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def _stage2(o_part, lse_part, q, far_states: int, inv_alpha: float, *, out_dtype, return_lse, lse_base2):
+def _stage2(o_part, lse_part, q, far_states: int, inv_alpha: float, *, out_dtype, return_lse, lse_base2,
+            v_scale=1.0):
     """Merge each row's states (the first ``far_states`` in alpha-space) into ``(out, lse or None)``."""
     batch, n_q, heads_q, head_dim = q.shape
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
@@ -685,7 +702,7 @@ def _stage2(o_part, lse_part, q, far_states: int, inv_alpha: float, *, out_dtype
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        heads_q, n_q, far_states, o_part.shape[3], inv_alpha,
+        heads_q, n_q, far_states, o_part.shape[3], inv_alpha, v_scale,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_S=MERGE_BLOCK_S, RETURN_LSE=return_lse, LSE_BASE2=lse_base2,
         num_warps=4 if head_dim >= 128 else 2,
