@@ -29,10 +29,8 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
 - ``fold``: the native read is the local branch, and every context entry outside the row's
   native window (``j <= p - Ws``) is far memory, read at the shared far position of the full
   layers (distance ``D + r``, ``D = window + n_q``) with ``alpha``; the two merge by their masses
-  as in Eq. 4 (:func:`fold_sliding_read`). Exact for a causal block: the local branch is an
-  explicit masked read over at most ``Ws + n_q - 1`` entries, the far branch one
-  ``fold.tree_attention`` call (its cache segment holds the entries far for every row, its
-  masked segment the ``n_q`` entries that turn far row by row), merged with ``fold.merge_states``.
+  as in Eq. 4 (:func:`fold_sliding_read`: ``fold.attention`` with the layer's ``sliding_window``
+  and causality, the same op the full layers and the vLLM backend call).
 - ``rerope``: the same split, the older entries at distance ``D`` from every row, one softmax,
   queries scaled as in the full layers.
 - ``cmr``: the native read over CMR's selection, renumbered (every layer reads the selection).
@@ -47,7 +45,6 @@ import torch
 
 import fold
 from fold.attention import BACKENDS, MAX_ALPHA
-from fold.masked import masked_attention
 from fold.rope import rotate, work_dtype
 from fold.spec.retrieval import CMRRead, InfLLMRead
 
@@ -92,22 +89,10 @@ class CachedPlainRead:
         return o[0].transpose(0, 1)[None].to(q.dtype)
 
 
-def window_read(q, k, v, *, rope, window, softmax_scale=None):
+def window_read(q, k, v, *, rope, window, softmax_scale=None, backend="auto"):
     """FOLD without its far memory: row r sees ``j > n + r - D`` at true distances, one softmax."""
-    _, n_q, _, head_dim = q.shape
-    length = k.shape[1]
-    n, d_pos = length - n_q, window + n_q
-    lo = max(0, n - d_pos + 1)
-    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
-    work = work_dtype(q.dtype)
-    j = torch.arange(lo, length, device=q.device)
-    r = torch.arange(n_q, device=q.device)
-    # positions relative to the block start n: only differences matter
-    ks = rotate(k[0, lo:].transpose(0, 1).to(work), j - n, rope)
-    qs = rotate(q[0].transpose(0, 1).to(work), r, rope)
-    visible = j[None, :] > (n + r - d_pos)[:, None]
-    o = masked_attention(qs, ks, v[0, lo:].transpose(0, 1).to(work), visible, scale, return_lse=False)
-    return o.transpose(0, 1)[None].to(q.dtype)
+    return fold.attention(q, k, v, window=window, rope=rope, far_position="none", softmax_scale=softmax_scale,
+                          backend=backend)
 
 
 def streaming_read(q, k, v, *, rope, sinks=4, recent=2044, backend="auto"):
@@ -151,89 +136,32 @@ def rerope_read(q, k, v, *, rope, window, training_length=4096, backend="auto"):
                           backend=backend)
 
 
-def _rotate_rows(x, positions, rope, work, factor=None):
-    # x [T, H, d] -> [H, T, d] rotated at positions [T]
-    return rotate(x.transpose(0, 1).to(work), positions, rope, factor=factor)
-
-
-def sliding_state(q, k, v, *, rope, sliding_window, causal):
+def sliding_state(q, k, v, *, rope, sliding_window, causal, backend="auto"):
     """The native read of a sliding-window layer, as an attention state.
 
     Row r (position ``p = n + r``) sees entry j iff ``p - j < sliding_window`` and, for a causal
-    layer, ``j <= p`` (else ``j - p < sliding_window``); every entry at its true position.
-    Returns ``(o [1, n_q, Hq, d] in q's dtype, lse [1, n_q, Hq])``, natural log, float32 (float64
-    for float64 input); ``lse`` is ``-inf`` for a row that sees nothing."""
-    _, n_q, _, head_dim = q.shape
-    length = k.shape[1]
-    n = length - n_q
-    work = work_dtype(q.dtype)
-    lo = max(0, n - sliding_window + 1)                                                 # oldest entry row 0 sees
-    j = torch.arange(lo, length, device=q.device)
-    r = torch.arange(n_q, device=q.device)
-    p = n + r
-    visible = (p[:, None] - j[None, :]) < sliding_window
-    visible &= (j[None, :] <= p[:, None]) if causal else ((j[None, :] - p[:, None]) < sliding_window)
-    ks = _rotate_rows(k[0, lo:], j - n, rope, work)                                      # relative to the block
-    qs = _rotate_rows(q[0], r, rope, work)
-    o, lse = masked_attention(qs, ks, v[0, lo:].transpose(0, 1).to(work), visible, head_dim ** -0.5)
-    return o.transpose(0, 1)[None].to(q.dtype), lse.transpose(0, 1)[None]
-
-
-def _outside_window_state(q_far, k, v, *, n, n_q, sliding_window, softmax_scale, backend):
-    """Attention of already-rotated queries ``q_far [1, n_q, Hq, d]`` over the context entries
-    outside each row's native window (``j <= n + r - sliding_window``), keys as stored.
-    ``None`` if no row has such an entry, else ``(o, lse)`` of ``fold.tree_attention``."""
-    first_mixed = n - sliding_window + 1              # row r reads j < first_mixed + r
-    if first_mixed + n_q - 1 <= 0:
-        return None
-    n_all = max(0, first_mixed)                                                         # far for every row
-    j = torch.arange(first_mixed, first_mixed + n_q, device=q_far.device)              # far from row i + 1 on
-    valid = (j >= 0) & (j < n)
-    jc = j.clamp(0, max(n - 1, 0))
-    k_mix = torch.where(valid[None, :, None, None], k[:, jc], 0.0)
-    v_mix = torch.where(valid[None, :, None, None], v[:, jc], 0.0)
-    r = torch.arange(n_q, device=q_far.device)
-    mask = (r[None, :] < r[:, None]) & valid[None, :]                                  # row r reads mixed entry i < r
-    cache_k, cache_v, seqlens = k[:, :max(n_all, 1)], v[:, :max(n_all, 1)], [n_all]
-    return fold.tree_attention(q_far, cache_k, cache_v, k_mix, v_mix, mask[None], cache_seqlens=seqlens,
-                               softmax_scale=softmax_scale, return_lse=True, backend=backend)
+    layer, ``j <= p``; every entry at its true position (``fold.attention``'s local branch alone).
+    Returns ``(o [1, n_q, Hq, d] in q's dtype, lse [1, n_q, Hq])``, natural log."""
+    return fold.attention(q, k, v, window=0, rope=rope, far_position="none", sliding_window=sliding_window,
+                          causal=causal, return_lse=True, backend=backend)
 
 
 def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto"):
     """FOLD on a sliding-window layer: its native window is the local branch, and every context
     entry outside it is far memory at distance ``D + r`` (``D = window + n_q``), read with
-    ``alpha`` and merged by the masses ``Z_N``, ``Z_F = (sum exp(alpha f)) ** (1 / alpha)`` (Eq. 4)."""
-    n_q, head_dim = q.shape[1], q.shape[-1]
-    n = k.shape[1] - n_q
-    o_local, lse_local = sliding_state(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal)
-    q_far = _rotate_rows(q[0], window + n_q + torch.arange(n_q, device=q.device), rope, work_dtype(q.dtype),
-                         factor=rope.attention_factor ** 2)                              # keys unrotated: R_0 k
-    q_far = q_far.transpose(0, 1)[None].to(q.dtype)
-    far = _outside_window_state(q_far, k, v, n=n, n_q=n_q, sliding_window=sliding_window,
-                                softmax_scale=alpha * head_dim ** -0.5, backend=backend)
-    if far is None:                                                                     # nothing is far yet
-        return o_local
-    o, _ = fold.merge_states([o_local, far[0]], [lse_local, far[1] / alpha])
-    return o
+    ``alpha`` and merged by the masses ``Z_N``, ``Z_F = (sum exp(alpha f)) ** (1 / alpha)`` (Eq. 4):
+    ``fold.attention`` with the layer's ``sliding_window`` and causality."""
+    return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, sliding_window=sliding_window,
+                          causal=causal, backend=backend)
 
 
 def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, training_length=4096, backend="auto"):
     """ReRoPE on a sliding-window layer: the native window at true distances, every context entry
     outside it at distance ``D`` from every row, one softmax, queries scaled by
     ``max(1, log(p + 1) / log(training_length))``."""
-    n_q, head_dim = q.shape[1], q.shape[-1]
-    n = k.shape[1] - n_q
-    q = _rerope_scaled(q, n, training_length)
-    o_local, lse_local = sliding_state(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal)
-    q_far = _rotate_rows(q[0], torch.full((n_q,), window + n_q, device=q.device), rope, work_dtype(q.dtype),
-                         factor=rope.attention_factor ** 2)
-    q_far = q_far.transpose(0, 1)[None].to(q.dtype)
-    far = _outside_window_state(q_far, k, v, n=n, n_q=n_q, sliding_window=sliding_window,
-                                softmax_scale=head_dim ** -0.5, backend=backend)
-    if far is None:
-        return o_local
-    o, _ = fold.merge_states([o_local, far[0]], [lse_local, far[1]])
-    return o
+    q = _rerope_scaled(q, k.shape[1] - q.shape[1], training_length)
+    return fold.attention(q, k, v, window=window, rope=rope, alpha=1.0, far_position="fixed_distance",
+                          sliding_window=sliding_window, causal=causal, backend=backend)
 
 
 def _rerope_scaled(q, n, training_length):
@@ -388,8 +316,8 @@ def _cmr(rope, o, request) -> Read:
 # policy name -> builder(rope, options with defaults, request) -> the sequence's Read
 _BUILDERS = {
     "dflash": lambda rope, o, request: Read(CachedPlainRead(rope), rope=rope),
-    "window": lambda rope, o, request: Read(lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=o["window"]),
-                                            rope=rope),
+    "window": lambda rope, o, request: Read(lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=o["window"],
+                                                                               backend=o["backend"]), rope=rope),
     "fold": _fold,
     "streaming": lambda rope, o, request: Read(
         lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"],
