@@ -14,6 +14,8 @@ from fold.vllm import ServeRead, configure, parse_block
     ({"read": "fold", "window": 0, "alpha": 4}, ServeRead("fold", 0, 4.0)),
     ({"read": "window", "window": 16}, ServeRead("window", 16, 1.0)),
     ({"read": "rerope", "window": 16, "training_length": 512}, ServeRead("rerope", 16, 1.0, 512)),
+    ({"read": "fold", "window": 16, "backend": "triton"}, ServeRead("fold", 16, 2.0, backend="triton")),
+    ({"read": "window", "window": 16, "backend": "torch"}, ServeRead("window", 16, 1.0, backend="torch")),
 ])
 def test_blocks_parse(block, want):
     got = parse_block(block)
@@ -31,6 +33,8 @@ def test_blocks_parse(block, want):
     ({"read": "window", "window": 8, "alpha": 2}, "fold.alpha is not a field of read='window'"),
     ({"read": "stock", "window": 8}, "fold.window is not a field of read='stock'"),
     ({"read": "rerope", "window": 8, "training_length": 1}, "fold.training_length must be an integer >= 2"),
+    ({"read": "fold", "window": 8, "backend": "cuda"}, "fold.backend must be one of ('auto', 'torch', 'triton')"),
+    ({"read": "stock", "backend": "torch"}, "fold.backend is not a field of read='stock'"),
 ])
 def test_bad_blocks_name_the_field(block, words):
     with pytest.raises(ValueError) as info:
@@ -54,3 +58,37 @@ def test_configure_writes_a_linked_copy(tmp_path):
     assert not (tmp_path / "bad").exists()                                         # refused before writing
     with pytest.raises(ValueError, match="drafter_dir must hold a config.json"):
         configure(tmp_path / "nowhere", tmp_path / "x")
+
+
+def _drafter(tmp_path, **config):
+    src = tmp_path / "drafter"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], **config}))
+    return src
+
+
+def test_configure_says_what_vllm_does_past_the_drafters_length_and_raises_it_when_asked(tmp_path):
+    src = _drafter(tmp_path, max_position_embeddings=4096, rope_parameters={"rope_type": "default"})
+    with pytest.warns(UserWarning, match="past position 4096 vLLM drafts nothing for the whole batch"):
+        out = configure(src, tmp_path / "a", read="fold", window=64, max_model_len=32768)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 4096
+    out = configure(src, tmp_path / "b", read="fold", window=64, max_model_len=32768, raise_max_position=True)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 32768
+    assert json.loads((src / "config.json").read_text())["max_position_embeddings"] == 4096
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configure(src, tmp_path / "c", read="fold", window=64, max_model_len=4096)    # fits: no warning
+    with pytest.raises(ValueError, match="raise_max_position needs max_model_len"):
+        configure(src, tmp_path / "d", read="fold", window=64, raise_max_position=True)
+    with pytest.raises(ValueError, match="max_model_len must be a positive int"):
+        configure(src, tmp_path / "e", read="fold", window=64, max_model_len=0)
+
+
+def test_raising_the_length_of_a_dynamic_ntk_drafter_is_refused(tmp_path):
+    """vLLM forms dynamic NTK frequencies from max_position_embeddings: raising it would move them."""
+    src = _drafter(tmp_path, max_position_embeddings=4096, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="dynamic NTK RoPE"):
+        configure(src, tmp_path / "a", read="fold", window=64, max_model_len=32768, raise_max_position=True)
+    assert not (tmp_path / "a").exists()

