@@ -226,21 +226,37 @@ def training_sample(rng: random.Random, tokenizer, code: str, length: int, mix) 
     return out
 
 
-def copy_mask(ids, order: int = 2):
+def copy_mask(ids, order: int = 2, max_order: int | None = None):
     """``mask[p]`` is True where token ``p`` follows an earlier occurrence of the ``order`` tokens
     before it and equals the token that followed there: a position an induction copy predicts.
-    ``ids`` [B, T] (tensor) -> bool [B, T]."""
+    With ``max_order`` (> ``order``), the earlier occurrence that predicts is the one whose match with
+    the tokens before ``p`` is longest (up to ``max_order`` tokens; the latest of equally long ones),
+    as a copy of a long span with common pairs of tokens inside it (digits, ``" of the"``) needs;
+    by default the latest occurrence of the ``order`` tokens. ``ids`` [B, T] (tensor) -> bool [B, T]."""
     import torch
 
+    max_order = order if max_order is None else max_order
+    if max_order < order:
+        raise ValueError(f"max_order must be >= order={order}, got {max_order}")
     out = torch.zeros(ids.shape, dtype=torch.bool)
     rows = ids.tolist()
     for b, row in enumerate(rows):
-        last: dict[tuple, int] = {}                          # n-gram -> the token after its latest occurrence
+        seen: dict[tuple, list[int]] = {}                    # n-gram -> the positions that followed it
         for p in range(order, len(row)):
             key = tuple(row[p - order:p])
-            if last.get(key) == row[p]:
-                out[b, p] = True
-            last[key] = row[p]
+            after = seen.setdefault(key, [])
+            if after:
+                best, best_len = after[-1], -1
+                for j in reversed(after):                    # latest first: a tie keeps the latest
+                    k = order
+                    while k < max_order and j - k - 1 >= 0 and row[j - k - 1] == row[p - k - 1]:
+                        k += 1
+                    if k > best_len:
+                        best, best_len = j, k
+                        if k == max_order:
+                            break
+                out[b, p] = row[best] == row[p]
+            after.append(p)
     return out
 
 
