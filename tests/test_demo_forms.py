@@ -1,4 +1,6 @@
-"""The real drafter's training forms (``fold.demo.data``): each document copies what it says it copies."""
+"""The real drafter's training forms and the held-out retrieval forms (``fold.demo.data``): each
+document copies what it says it copies, the evaluation's values cannot come out of a training form,
+and the held-out prompts store their value far back and ask for it at the end."""
 
 import random
 import re
@@ -7,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from fold.demo import data
+from fold.demo import data, real
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
@@ -53,20 +55,62 @@ def sources(stdlib):
     return data.training_sources(stdlib)
 
 
+@pytest.fixture(scope="module")
+def held_prose(stdlib):
+    return data.prose_paragraphs("".join(data.held_out_code(stdlib).values()))
+
+
 def _render(messages):
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(sources, tmp_path_factory):
+def tokenizer(sources, held_prose, tmp_path_factory):
     rng = random.Random(1)
-    texts = [sources.code, " ".join(data.PLANT_WORDS + data.TRAIN_WORDS)]
+    texts = [sources.code, "\n".join(held_prose), " ".join(data.HELD_OUT_LEXICON + data.TRAIN_WORDS)]
     texts += [data.training_document(rng, form, sources, 3000, _render)[0] for form in data.TRAINING_FORMS]
     path = tmp_path_factory.mktemp("tok")
     data.save_tokenizer(data.train_tokenizer(texts, 600), path)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+# -- lexicons --------------------------------------------------------------------------------------------
+
+EVAL_WORDS = re.compile(r"\b(" + "|".join(w for w in data.HELD_OUT_LEXICON if len(w) >= 4) + r")\b", re.I)
+PLANT_VALUE = re.compile(r"\b(" + "|".join(data.PLANT_WORDS) + r")-(" + "|".join(data.PLANT_WORDS) + r")-\d\d\b")
+
+
+def test_training_and_evaluation_lexicons_are_disjoint():
+    train = {w.lower() for w in data.TRAIN_WORDS + data.TRAIN_NAMES}
+    held_out = {w.lower() for w in data.HELD_OUT_LEXICON}
+    assert set(data.PLANT_WORDS) <= held_out and len(train) == len(data.TRAIN_WORDS) + len(data.TRAIN_NAMES)
+    assert not train & held_out, sorted(train & held_out)
+
+
+def test_no_training_form_writes_an_evaluation_value_or_template(sources):
+    for form in data.TRAINING_FORMS:
+        for seed in range(25):
+            text, _ = data.training_document(random.Random(seed), form, sources, 3000, _render)
+            assert EVAL_WORDS.search(text) is None, (form, EVAL_WORDS.search(text))
+            assert re.search(data.TRACKING_PATTERN, text) is None and PLANT_VALUE.search(text) is None, form
+            assert not [cue for cue in data.HELD_OUT_CUES if cue in text], form
+    rng = random.Random(0)
+    for _ in range(3000):                    # the value formats alone: none is a tracking number or a plant
+        for value in (data.train_value(rng), data.random_id(rng)):
+            assert not re.fullmatch(data.TRACKING_PATTERN[2:-2], value) and not PLANT_VALUE.search(value), value
+
+
+def test_the_value_detectors_find_every_evaluation_value(tokenizer, held_prose, stdlib):
+    """The checks above can fail: they find the values of each evaluation prompt."""
+    rng = random.Random(3)
+    email, _ = data.email_retrieval_prompt(rng, tokenizer, held_prose, 2400, 1200)
+    minutes, _ = data.minutes_retrieval_prompt(rng, tokenizer, held_prose, 2400, 1200)
+    planted, _ = data.planted_retrieval_prompt(rng, tokenizer, data.held_out_code(stdlib), 2400, 1200)
+    assert re.search(data.TRACKING_PATTERN, tokenizer.decode(email)) and EVAL_WORDS.search(tokenizer.decode(email))
+    assert EVAL_WORDS.search(tokenizer.decode(minutes)) and "will be held at" in tokenizer.decode(minutes)
+    assert PLANT_VALUE.search(tokenizer.decode(planted))
 
 
 # -- training forms ------------------------------------------------------------------------------------
@@ -135,3 +179,53 @@ def test_form_sample_has_the_length_and_refuses_what_it_cannot_render(sources, t
         data.form_sample(random.Random(0), bare, "chat", sources, 300)
     with pytest.raises(ValueError, match="unknown training form 'poems'"):
         data.training_document(random.Random(0), "poems", sources, 300)
+
+
+# -- held-out retrieval forms --------------------------------------------------------------------------
+
+def _check_far_question(tokenizer, prompt, answer, length, cue):
+    """The prompt has ``length`` tokens and ends with ``cue``; the answer's tokens occur once earlier in
+    it, at least half the prompt back. Returns the decoded answer."""
+    assert len(prompt) == length and tokenizer.decode(prompt).endswith(cue)
+    starts = [i for i in range(len(prompt) - len(answer) + 1) if prompt[i:i + len(answer)] == answer]
+    assert len(starts) == 1 and len(prompt) - starts[0] >= length // 2, starts
+    return tokenizer.decode(answer)
+
+
+@pytest.mark.parametrize("length", [2000, 3000])
+def test_email_prompt_asks_for_a_tracking_number_stored_far_back(tokenizer, held_prose, length):
+    for seed in range(4):
+        prompt, answer = data.email_retrieval_prompt(random.Random(seed), tokenizer, held_prose, length, length // 2)
+        value = _check_far_question(tokenizer, prompt, answer, length, "the tracking number is")
+        assert re.fullmatch(" " + data.TRACKING_PATTERN, value) and value[1:3] in data.TRACKING_PREFIXES
+        text = tokenizer.decode(prompt)
+        assert f"The tracking number is{value}," in text and text.count("Subject: Re:") >= 2
+
+
+@pytest.mark.parametrize("length", [2000, 3000])
+def test_minutes_prompt_asks_for_a_venue_stored_far_back(tokenizer, held_prose, length):
+    for seed in range(4):
+        prompt, answer = data.minutes_retrieval_prompt(random.Random(seed), tokenizer, held_prose, length,
+                                                       length // 2)
+        value = _check_far_question(tokenizer, prompt, answer, length, "will be held at")
+        place, kind, number, street, way = re.fullmatch(r" (\w+) (\w+), (\d+) (\w+) (\w+)", value).groups()
+        assert (place, kind, street, way) in [(p, k, s, w) for p in data.VENUE_PLACES for k in data.VENUE_KINDS
+                                              for s in data.VENUE_STREETS for w in data.VENUE_WAYS]
+        assert tokenizer.decode(prompt).count("## Decisions") >= 2
+
+
+@pytest.mark.parametrize("form", sorted(data.HELD_OUT_FORMS))
+def test_held_out_forms_refuse_a_distance_they_cannot_keep(form, tokenizer, held_prose):
+    with pytest.raises(ValueError, match="too short to store a value"):
+        data.HELD_OUT_FORMS[form](random.Random(0), tokenizer, held_prose, 1200, 1190)
+
+
+@pytest.mark.skipif(not real.is_converted(real.default_target_dir()), reason="the real target is not converted here")
+@pytest.mark.parametrize("form", sorted(data.HELD_OUT_FORMS))
+def test_held_out_forms_with_the_real_tokenizer(form):
+    tok = transformers.AutoTokenizer.from_pretrained(real.default_target_dir())
+    prose = data.prose_paragraphs("".join(data.held_out_code().values()))
+    cue = {"email": "the tracking number is", "minutes": "will be held at"}[form]
+    for length in (2048, 8128):
+        prompt, answer = data.HELD_OUT_FORMS[form](random.Random(length), tok, prose, length, length // 2)
+        _check_far_question(tok, prompt, answer, length, cue)

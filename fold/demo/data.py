@@ -14,7 +14,8 @@ known by finding where it was stored. :func:`copy_mask` marks those positions in
 The real pair (SmolLM2-135M-Instruct) has forms of its own: :data:`TRAINING_FORMS`, the documents its
 drafter is trained on (each copies by content: recurring code, restated prose, chat answers from a
 document, config values, random ids, planted lines; values from :data:`TRAIN_WORDS` and
-:data:`TRAIN_NAMES`, never from :data:`PLANT_WORDS`, the values of ``fold-demo --real``'s retrieval).
+:data:`TRAIN_NAMES`), and :data:`HELD_OUT_FORMS`, retrieval prompts of forms and lexicons that no
+training form contains, for ``fold-demo --real``.
 
 The tokenizer (:func:`train_tokenizer`) is a byte-level BPE trained with Hugging Face ``tokenizers``
 on the training split; its pre-tokenizer keeps identifiers and hex words whole (``[A-Za-z0-9_]+``
@@ -24,6 +25,7 @@ with an optional leading space), so one token stands for a word piece, not a byt
 from __future__ import annotations
 
 import ast
+import datetime
 import random
 import re
 import sysconfig
@@ -360,21 +362,15 @@ def planted_retrieval_prompt(rng: random.Random, tokenizer, code: dict[str, str]
     # the planted line goes at a line break in the first third of the window (by characters)
     cut = window.find("\n", rng.randrange(len(window) // 20, len(window) // 3)) + 1
     full = window[:cut] + f'{key} = "{value}"\n' + window[cut:] + query
-    ids = encode(tokenizer, full)
-    plant_at = len(encode(tokenizer, window[:cut]))
-    prompt = ids[max(0, len(ids) - length):]
-    if len(ids) - plant_at > len(prompt) or len(ids) - plant_at < min_distance:
-        raise ValueError(f"the planted line is {len(ids) - plant_at} tokens back in a {len(prompt)}-token prompt; "
-                         f"wanted at least {min_distance}")
-    answer = encode(tokenizer, full + f'{value}"')[len(ids):]
-    return prompt, answer
+    return _question_at_end(tokenizer, full, cut, f'{value}"', length, min_distance, "planted line")
 
 
 # -- the real drafter's training forms (text) -------------------------------------------------------------
 #
 # Each form is a document in which later text copies earlier text by content, as users' prompts do.
-# Values drawn from a lexicon come from the training lexicons below, never from PLANT_WORDS (the
-# values of fold-demo --real's planted-line retrieval).
+# Values drawn from a lexicon come from the training lexicons below; the evaluation's values (the
+# planted-line cell's PLANT_WORDS, the held-out forms' names, places and tracking numbers) come from
+# lexicons and formats that no training form uses (tests/test_demo_forms.py checks both).
 
 TRAIN_WORDS = (
     "apple", "badge", "bamboo", "barley", "basket", "beacon", "blossom", "bottle", "breeze", "bridge", "bucket",
@@ -755,3 +751,173 @@ def form_sample(rng: random.Random, tokenizer, form: str, sources: TrainingSourc
             return ids[:length]
         n_chars = int(n_chars * 1.25) + 1
 
+
+# -- held-out retrieval forms (evaluation only) ---------------------------------------------------------------
+#
+# Forms of prompt that no training form contains, with lexicons of their own: a support e-mail thread
+# asking at the end for a parcel's tracking number given early, and a series of meeting minutes
+# recalling at the end the venue agreed in an early meeting. Their filler is prose of the held-out
+# packages (:func:`prose_paragraphs` of :func:`held_out_code`).
+
+HELD_OUT_FIRST_NAMES = ("Maren", "Tobias", "Ingrid", "Rafael", "Yusuf", "Odile", "Keziah", "Lorcan", "Anouk",
+                        "Teodor", "Saoirse", "Emeric", "Ilse", "Dario", "Wrenna", "Caspian")
+HELD_OUT_LAST_NAMES = ("Oakley", "Varga", "Lindqvist", "Okafor", "Brennan", "Castellano", "Whitcombe", "Hargreave",
+                       "Delacroix", "Nakamura", "Szabo", "Achterberg")
+TRACKING_PREFIXES = ("RR", "CP", "EE", "LX", "RA", "CX")
+TRACKING_COUNTRIES = ("DE", "GB", "FR", "NL", "SE", "PL", "IE")
+TRACKING_PATTERN = r"\b[A-Z]{2}\d{9}[A-Z]{2}\b"          # a tracking number (UPU S10); no training form makes one
+VENUE_PLACES = ("Ashcombe", "Brantwood", "Fellhaven", "Gorsedale", "Kilbarron", "Marlowmere", "Pendrick",
+                "Quarrendon", "Rosslyn", "Tavistoke", "Wendover", "Ystrad")
+VENUE_KINDS = ("Hall", "House", "Pavilion", "Centre", "Lodge")
+VENUE_STREETS = ("Larkspur", "Hollybrook", "Foxglove", "Kingfisher", "Bramblewick", "Ferncliffe", "Pennywort",
+                 "Sorrel", "Yarrow")
+VENUE_WAYS = ("Road", "Lane", "Terrace", "Crescent")
+HELD_OUT_LEXICON = (PLANT_WORDS + HELD_OUT_FIRST_NAMES + HELD_OUT_LAST_NAMES + TRACKING_PREFIXES + TRACKING_COUNTRIES
+                    + VENUE_PLACES + VENUE_KINDS + VENUE_STREETS + VENUE_WAYS)
+HELD_OUT_CUES = ("tracking number", "will be held at", "Subject: Re:", "## Decisions", "Present:")
+
+
+def _question_at_end(tokenizer, text: str, stored_at: int, value: str, length: int, min_distance: int,
+                     what: str) -> tuple[list[int], list[int]]:
+    """``(prompt, answer)``: the last ``length`` tokens of ``text`` (which ends with the question's cue)
+    and the tokens of ``value`` after it; ``stored_at``, the character offset in ``text`` where the
+    stored copy begins, must be at least ``min_distance`` tokens before the end and inside the prompt."""
+    ids = encode(tokenizer, text)
+    back = len(ids) - len(encode(tokenizer, text[:stored_at]))
+    prompt = ids[max(0, len(ids) - length):]
+    if back > len(prompt) or back < min_distance:
+        raise ValueError(f"the {what} is {back} tokens back in a {len(prompt)}-token prompt; "
+                         f"wanted at least {min_distance}")
+    full = encode(tokenizer, text + value)
+    if full[:len(ids)] != ids:
+        raise ValueError(f"the {what}'s value {value!r} does not tokenize apart from the cue before it")
+    return prompt, full[len(ids):]
+
+
+def _unit_document(rng: random.Random, tokenizer, unit, statement: str, final, length: int,
+                   min_distance: int) -> tuple[str, int]:
+    """Units of a document (``unit(rng) -> (head, tail, can_store)``) until ``length`` tokens, then
+    ``final()`` (the last unit, ending with the question's cue), the ``statement`` placed between the
+    head and tail of a unit that can store it, at least ``min_distance`` tokens (and at most
+    ``length`` less a margin) before the end. Returns ``(text, offset of the statement)``."""
+    n = lambda t: len(encode(tokenizer, t))  # noqa: E731
+    units, sizes, total = [], [], n(statement)
+    while total < length + 64:
+        head, tail, can_store = unit(rng)
+        units.append((head, tail, can_store))
+        sizes.append((n(head), n(tail)))
+        total += sum(sizes[-1])
+    final = final()
+    after = n(final)                                      # tokens from a unit's slot to the end
+    slots = []
+    for i in range(len(units) - 1, -1, -1):
+        back = after + sizes[i][1] + n(statement)
+        if units[i][2] and min_distance + 32 <= back <= length - 32:
+            slots.append(i)
+        after += sum(sizes[i])
+    if not slots:
+        raise ValueError(f"length {length} is too short to store a value {min_distance} tokens back")
+    i = rng.choice(slots)
+    before = "".join(h + t for h, t, _ in units[:i]) + units[i][0]
+    text = before + statement + units[i][1] + "".join(h + t for h, t, _ in units[i + 1:]) + final
+    return text, len(before)
+
+
+def _held_out_names(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """``n`` distinct (first, last) names of the held-out lexicon, no two sharing a first or last name."""
+    return list(zip(rng.sample(HELD_OUT_FIRST_NAMES, n), rng.sample(HELD_OUT_LAST_NAMES, n)))
+
+
+def _dates(rng: random.Random, step_days: tuple[int, int]):
+    """A calendar from a random day of 2026 on, each call ``step_days`` (low, high) days after the last."""
+    day = datetime.date(2026, 1, 1) + datetime.timedelta(days=rng.randrange(365))
+
+    def next_day() -> datetime.date:
+        nonlocal day
+        day += datetime.timedelta(days=rng.randint(*step_days))
+        return day
+    return next_day
+
+
+def _filler(rng: random.Random, prose: list[str], max_chars: int = 600) -> str:
+    short = [p for p in prose if len(p) <= max_chars]
+    if not short:
+        raise ValueError(f"prose holds no paragraph of at most {max_chars} characters")
+    return rng.choice(short)
+
+
+def email_retrieval_prompt(rng: random.Random, tokenizer, prose: list[str], length: int,
+                           min_distance: int) -> tuple[list[int], list[int]]:
+    """A support e-mail thread (``From:``/``To:``/``Date:``/``Subject:`` headers, bodies of held-out
+    ``prose`` paragraphs) in which an agent's message, at least ``min_distance`` tokens before the end,
+    gives a parcel's tracking number (``RR482913775DE``); the last message ends with ``"... the tracking
+    number is"`` -> ``(prompt ids, answer ids)``, ``length`` prompt tokens; the answer is the number
+    (with its leading space)."""
+    customer, agent = _held_out_names(rng, 2)
+    case = rng.randint(10000, 99999)
+    value = f"{rng.choice(TRACKING_PREFIXES)}{rng.randint(10 ** 8, 10 ** 9 - 1)}{rng.choice(TRACKING_COUNTRIES)}"
+    next_day = _dates(rng, (0, 1))
+
+    def message(sender, recipient, body: list[str]) -> str:
+        return (f"From: {sender[0]} {sender[1]} <{sender[0].lower()}.{sender[1].lower()}@kestrelworks.example>\n"
+                f"To: {recipient[0].lower()}.{recipient[1].lower()}@kestrelworks.example\n"
+                f"Date: {next_day():%a, %d %b %Y} {rng.randint(8, 18):02d}:{rng.randint(0, 59):02d}\nSubject: Re: Replacement controller board, case KW-{case}\n\n"
+                f"Hi {recipient[0]},\n\n" + "".join(p + "\n\n" for p in body))
+
+    turns = [0]                                           # the thread alternates: customer, agent, customer, ...
+
+    def unit(rng):
+        by_agent, turns[0] = turns[0] % 2 == 1, turns[0] + 1
+        sender, recipient = (agent, customer) if by_agent else (customer, agent)
+        head = message(sender, recipient, [_filler(rng, prose)])
+        tail = (_filler(rng, prose) + "\n\n" if rng.random() < 0.5 else "") + \
+            f"{rng.choice(('Best regards', 'Kind regards', 'Thanks'))},\n{sender[0]}\n\n"
+        return head, tail, by_agent
+
+    statement = (f"Your replacement board left our warehouse today. The tracking number is {value}, and the "
+                 f"parcel should reach you within {rng.randint(2, 6)} working days.\n\n")
+    final = lambda: message(customer, agent, [_filler(rng, prose)]) + (  # noqa: E731
+        "The parcel has still not arrived, and the carrier's website cannot find it. Could you check on your "
+        "side? For reference, the tracking number is")
+    text, at = _unit_document(rng, tokenizer, unit, statement, final, length, min_distance)
+    return _question_at_end(tokenizer, text, at + statement.index(value) - 1, " " + value, length, min_distance,
+                            "tracking number")
+
+
+def minutes_retrieval_prompt(rng: random.Random, tokenizer, prose: list[str], length: int,
+                             min_distance: int) -> tuple[list[int], list[int]]:
+    """A series of meeting minutes in Markdown (``Present:``, ``## Updates`` of held-out ``prose``
+    paragraphs, ``## Decisions``, ``## Actions``) in which a decision, at least ``min_distance``
+    tokens before the end, fixes an event's venue (``Ashcombe Hall, 14 Larkspur Road``); the last
+    minutes end with ``"- As agreed earlier, the <event> will be held at"`` -> ``(prompt ids, answer
+    ids)``, ``length`` prompt tokens; the answer is the venue (with its leading space)."""
+    group = rng.choice(("Steering group", "Facilities committee", "Outreach working group", "Programme board"))
+    event = rng.choice(("annual symposium", "founders' colloquium", "partners' summit", "regional offsite"))
+    value = (f"{rng.choice(VENUE_PLACES)} {rng.choice(VENUE_KINDS)}, {rng.randint(2, 98)} "
+             f"{rng.choice(VENUE_STREETS)} {rng.choice(VENUE_WAYS)}")
+    people = [" ".join(name) for name in _held_out_names(rng, 6)]
+    next_day = _dates(rng, (7, 14))
+
+    def header() -> str:
+        present = rng.sample(people, rng.randint(3, 5))
+        return (f"# {group} meeting, {next_day():%A %d %B %Y}\n\n"
+                f"Present: {', '.join(present)}\n\n")
+
+    def unit(rng):
+        head = header() + "## Updates\n\n" + "".join(_filler(rng, prose) + "\n\n" for _ in range(rng.randint(1, 2)))
+        head += "## Decisions\n\n" + rng.choice(("- The minutes of the previous meeting were approved.\n",
+                                                 "- The budget report was accepted as presented.\n",
+                                                 "- No objections were raised to the revised schedule.\n"))
+        who = rng.choice(people).split()[0]
+        tail = (f"\n## Actions\n\n- {who} to {rng.choice(('circulate the draft', 'book the rooms', 'update the register', 'contact the speakers'))}"
+                " before the next meeting.\n\n")
+        return head, tail, True
+
+    statement = f"- The {event} will be held at {value}, starting at {rng.randint(9, 14)}:{rng.choice(('00', '30'))}.\n"
+    final = lambda: header() + f"## Reminders\n\n- As agreed earlier, the {event} will be held at"  # noqa: E731
+    text, at = _unit_document(rng, tokenizer, unit, statement, final, length, min_distance)
+    return _question_at_end(tokenizer, text, at + statement.index(value) - 1, " " + value, length, min_distance,
+                            "venue")
+
+
+HELD_OUT_FORMS = {"email": email_retrieval_prompt, "minutes": minutes_retrieval_prompt}
