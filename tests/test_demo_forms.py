@@ -2,8 +2,11 @@
 document copies what it says it copies, the evaluation's values cannot come out of a training form,
 and the held-out prompts store their value far back and ask for it at the end."""
 
+import json
 import random
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import transformers
 
 from fold.demo import data, real
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
 NEUTRAL = ("parser", "token", "buffer", "value", "method", "object", "returns", "reads", "writes", "calls", "list",
@@ -229,3 +233,118 @@ def test_held_out_forms_with_the_real_tokenizer(form):
     for length in (2048, 8128):
         prompt, answer = data.HELD_OUT_FORMS[form](random.Random(length), tok, prose, length, length // 2)
         _check_far_question(tok, prompt, answer, length, cue)
+
+
+# -- the real drafter's feature caches and their weights (examples/train_real_drafter.py) ------------------
+
+@pytest.fixture(scope="module")
+def tiny_target(tokenizer, tmp_path_factory):
+    from tests.spec_fixtures import make_target
+
+    return make_target("llama", tmp_path_factory.mktemp("target"), vocab=len(tokenizer))
+
+
+@pytest.fixture
+def fake_real_target(monkeypatch, tiny_target, tokenizer):
+    """``fold.demo.real.load_target`` answers with the tiny Llama target and the tiny tokenizer."""
+    monkeypatch.setattr(real, "load_target", lambda *args, **kwargs: (tiny_target, tokenizer))
+
+
+def _extract(cache, stdlib, form, shards, seq_len=64):
+    import train_real_drafter
+
+    train_real_drafter.main(["extract", "--form", form, "--cache", str(cache), "--max-shards", str(shards),
+                             "--seq-len", str(seq_len), "--shard-size", "2", "--batch", "2", "--taps", "0", "2",
+                             "--stdlib", str(stdlib), "--threads", "1"])
+    return json.loads((cache / "meta.json").read_text())
+
+
+def test_extract_caches_one_form_per_folder_resumably(fake_real_target, stdlib, tmp_path, monkeypatch):
+    import train_real_drafter
+    from safetensors.torch import load_file
+
+    meta = _extract(tmp_path / "a", stdlib, "strings", 1, 256)
+    assert (meta["form"], meta["copy_max_order"], meta["shards"]) == ("strings", 8, 1)
+    meta = _extract(tmp_path / "a", stdlib, "strings", 2, 256)           # resumed: writes shard 1 only
+    assert meta["shards"] == 2 and [e["shards_written"] for e in meta["log"]] == [1, 1]
+    _extract(tmp_path / "b", stdlib, "strings", 2, 256)                  # uninterrupted
+    resumed, straight = (load_file(str(train_real_drafter.shard_path(tmp_path / c, 1))) for c in ("a", "b"))
+    assert resumed.keys() == straight.keys() == {"ids", "features", "greedy", "copy"}
+    assert all(torch.equal(resumed[k], straight[k]) for k in resumed)
+    assert resumed["features"].shape == (2, 256, 2 * 64) and resumed["features"].dtype == torch.bfloat16
+    longest = data.copy_mask(resumed["ids"].long(), max_order=8)         # random ids: unlike the latest-pair mask
+    assert torch.equal(resumed["copy"].bool(), longest) and not torch.equal(longest, data.copy_mask(resumed["ids"].long()))
+    other = load_file(str(train_real_drafter.shard_path(tmp_path / "a", 0)))
+    with pytest.raises(SystemExit, match="other settings .*'form': \\('strings', 'prose'\\)"):
+        _extract(tmp_path / "a", stdlib, "prose", 3, 256)                     # a cache holds one form
+    assert torch.equal(load_file(str(train_real_drafter.shard_path(tmp_path / "a", 0)))["ids"], other["ids"])
+    monkeypatch.setenv("FOLD_CACHE", str(tmp_path / "home"))
+    assert train_real_drafter.parse_args(["extract", "--form", "chat"]).cache == tmp_path / "home" / "real-features-chat"
+
+
+def _fake_cache(path, rows_per_shard, token):
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    for i, rows in enumerate(rows_per_shard):
+        save_file(dict(ids=torch.full((rows, 16), token, dtype=torch.int32), features=torch.zeros(rows, 16, 4).bfloat16(),
+                       greedy=torch.full((rows, 16), token, dtype=torch.int32), copy=torch.zeros(rows, 16, dtype=torch.uint8)),
+                  str(path / f"shard_{i:05d}.safetensors"))
+    return path
+
+
+def test_cache_weights_choose_each_row_s_cache(tmp_path):
+    import train_real_drafter
+
+    caches = [_fake_cache(tmp_path / "a", [3], 1), _fake_cache(tmp_path / "b", [2, 2], 2), _fake_cache(tmp_path / "c", [], 3)]
+    pool = train_real_drafter.CachedFeatures(caches, [0], hidden=4)
+    assert pool.ranges == [(0, 3), (3, 7), (7, 7)]
+    rng = random.Random(0)
+    uniform = pool.sample(rng, 7)
+    assert sorted(uniform) == list(range(7))                               # no weights: distinct rows, all caches
+    assert set(pool.ids[pool.sample(rng, 200, [1, 0, 0]), 0].tolist()) == {1}
+    assert set(pool.ids[pool.sample(rng, 200, [0, 1, 0]), 0].tolist()) == {2}
+    share = (pool.ids[pool.sample(rng, 4000, [3, 1, 0]), 0] == 1).float().mean().item()
+    assert abs(share - 0.75) < 0.03, share
+    with pytest.raises(ValueError, match=r"none to a cache without sequences \(caches \[2\]\)"):
+        pool.sample(rng, 4, [1, 1, 1])
+    with pytest.raises(ValueError, match="one weight per cache"):
+        pool.sample(rng, 4, [1, 1])
+
+
+@pytest.mark.parametrize("weights, words", [(["1"], "one weight >= 0 per --cache (2)"), (["1", "-1"], "got [1.0, -1.0]"),
+                                            (["0", "0"], "not all 0"), (["1", "inf"], "got [1.0, inf]")])
+def test_train_refuses_bad_cache_weights(weights, words, tmp_path, capsys):
+    import train_real_drafter
+
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "meta.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        train_real_drafter.parse_args(["train", "--cache", str(tmp_path / "a"), str(tmp_path / "b"), "--out",
+                                       str(tmp_path / "o"), "--cache-weights", *weights])
+    assert words in capsys.readouterr().err
+
+
+def test_a_sitting_over_weighted_form_caches_is_logged(fake_real_target, stdlib, tokenizer, tmp_path, capsys):
+    """Two form caches, weighted 0.7 / 0.3: two steps, the sitting's log names each cache's form, size and
+    weight, and inspect_real_features.py's copy split reads the new shards."""
+    import inspect_real_features
+    import train_real_drafter
+
+    for form in ("strings", "chat"):
+        _extract(tmp_path / form, stdlib, form, 1)
+    out = tmp_path / "drafter"
+    log = train_real_drafter.main(["train", "--cache", str(tmp_path / "strings"), str(tmp_path / "chat"),
+                                   "--cache-weights", "0.7", "0.3", "--out", str(out), "--total-steps", "2",
+                                   "--batch", "2", "--blocks", "4", "--block-size", "4", "--layers", "1",
+                                   "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--intermediate", "64",
+                                   "--mask-token-id", str(len(tokenizer) - 1), "--eval-prompts", "0",
+                                   "--stdlib", str(stdlib), "--threads", "1"])
+    assert log["total_steps"] == 2
+    caches = log["sittings"][-1]["caches"]
+    assert [(c["form"], c["sequences"], c["weight"]) for c in caches] == [("strings", 2, 0.7), ("chat", 2, 0.3)]
+    assert json.loads((out / "train_log.json").read_text())["sittings"][-1]["caches"] == caches
+    inspect_real_features.main(["copy", "--drafter", str(out), "--shard",
+                                str(train_real_drafter.shard_path(tmp_path / "chat", 0))])
+    assert "long copies" in capsys.readouterr().out
