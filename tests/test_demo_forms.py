@@ -348,3 +348,63 @@ def test_a_sitting_over_weighted_form_caches_is_logged(fake_real_target, stdlib,
     inspect_real_features.main(["copy", "--drafter", str(out), "--shard",
                                 str(train_real_drafter.shard_path(tmp_path / "chat", 0))])
     assert "long copies" in capsys.readouterr().out
+
+
+# -- fold-demo --real's retrieval cells ------------------------------------------------------------------
+
+class _Result:
+    def __init__(self, sequences):
+        self.sequences = sequences
+        self.stats = dict(per_sequence=[dict(tpot_s=0.01, committed_per_round=[3, 1], rounds=2)])
+
+
+def test_real_retrieval_cells_keep_the_answered_prompts_of_each_form(tokenizer, stdlib, monkeypatch):
+    """Per retrieval task (the training format and each held-out form) a cell keeps the first prompts
+    whose stored value the target's output begins with, and records and prints answered/drawn and
+    the cell's scope; the code cell runs every prompt and carries neither."""
+    from fold.demo import cli
+
+    held_text = data.held_out_code(stdlib)
+    held_ids = {name: data.encode(tokenizer, text) for name, text in held_text.items()}
+    tasks, length, wanted = ["code", "retrieval", *cli.HELD_OUT_TASKS], 2000, 2
+    answerable = {}                                       # prompt -> the value the fake target "retrieves"
+    for task in tasks[1:]:
+        ids, _, answers = cli.prompts_for(task, length, wanted * cli.RETRIEVAL_DRAWS, 0, held_ids, tokenizer, 8,
+                                          held_text)
+        for i in (1, 3):                                   # the 2nd and 4th drawn are answered: 4 drawn for 2
+            answerable[tuple(ids[i].tolist())] = answers[i]
+
+    def run(prompt, n_new):
+        said = answerable.get(tuple(prompt[0].tolist()), [0] * n_new)
+        return _Result(torch.cat([prompt, torch.tensor([said[:n_new] + [0] * (n_new - len(said))])], 1))
+
+    monkeypatch.setattr(cli, "make_rows", lambda *a, **k: [cli.Row("AR", run), cli.Row("fold", run)])
+    records = cli.run_comparison("target", "drafter", None, tokenizer, held_ids=held_ids, tasks=tasks,
+                                 lengths=[length], rows=["fold"], prompts=wanted, new_tokens=8, repeats=1,
+                                 window=64, alpha=2.0, seed=0, train_len=64, held_text=held_text)
+    for task in tasks:
+        recs = [r for r in records if r["task"] == task]
+        assert [r["policy"] for r in recs] == ["AR", "fold"] and all(r["n_prompts"] == wanted for r in recs)
+        if task == "code":
+            assert not {"scope", "prompts_drawn"} & set(recs[0])
+            continue
+        assert {(r["prompts_answered"], r["prompts_drawn"], r["scope"]) for r in recs} == {(2, 4, cli.SCOPES[task])}
+    table = cli.format_table(records)
+    assert "retrieval: in the drafter's training format" in table
+    for task in cli.HELD_OUT_TASKS:
+        assert f"{task}: held out from the drafter's training" in table and f"{task}: measured on" in table
+    assert table.count(f"answered/drawn: {length}: 2/4") == 3
+
+
+def test_held_out_tasks_need_the_held_out_text_and_the_real_pair(tokenizer, capsys, monkeypatch, tmp_path):
+    from fold.demo import cli
+
+    with pytest.raises(ValueError, match="needs held_text"):
+        cli.prompts_for("retrieval-email", 2000, 1, 0, {}, tokenizer, 8)
+    with pytest.raises(ValueError, match="unknown task 'retrieval-poems'"):
+        cli.prompts_for("retrieval-poems", 2000, 1, 0, {}, tokenizer, 8, {})
+    assert set(cli.HELD_OUT_TASKS) == {f"retrieval-{form}" for form in data.HELD_OUT_FORMS} == set(cli.SCOPES) - {"retrieval"}
+    monkeypatch.setattr(cli, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--tasks", "code", "retrieval-minutes", "--out", str(tmp_path), "--no-progress"])
+    assert info.value.code == 2 and "--tasks retrieval-minutes go with --real" in capsys.readouterr().err
