@@ -230,8 +230,10 @@ def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
     return [t.to(device) for t in (ids, pool.features[idx].float(), anchors, labels, is_copy, positions)]
 
 
-def _lr(args, step: int) -> float:
-    warm = min(1.0, (step + 1) / args.warmup)
+def _lr(args, step: int, warm_from: int = 0) -> float:
+    """Linear warm-up over ``--warmup`` steps from ``warm_from`` (where the optimizer state began), then
+    the cosine of the run (``--total-steps``) down to ``--min-lr``."""
+    warm = min(1.0, (step - warm_from + 1) / args.warmup)
     frac = min(1.0, step / args.total_steps)
     return args.lr * warm * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
 
@@ -281,7 +283,7 @@ def train(args) -> dict:
         ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
         drafter.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
-        step, log = ckpt["step"], ckpt["log"]
+        step, log, warm_from = ckpt["step"], ckpt["log"], 0
         rng.setstate(ckpt["rng"])
         torch.set_rng_state(ckpt["torch_rng"])
         print(f"resumed from {ckpt_path} at step {step}", flush=True)
@@ -290,11 +292,11 @@ def train(args) -> dict:
         # on a machine without this one's checkpoint.pt
         drafter.load_state_dict({k: v.float() for k, v in load_file(str(args.resume_from / "model.safetensors")).items()})
         log = json.loads((args.resume_from / "train_log.json").read_text())
-        step = log["total_steps"]
+        step = warm_from = log["total_steps"]                 # a fresh optimizer warms up again
         log.setdefault("resumed_from_weights", []).append(dict(path=str(args.resume_from), step=step))
         print(f"resumed from the weights in {args.resume_from} at step {step} (new optimizer state)", flush=True)
     else:
-        step = 0
+        step = warm_from = 0
         drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
         with torch.no_grad():                      # start the output norm as the target's final norm
             drafter.norm.weight.copy_(target.model.norm.weight)
@@ -323,7 +325,7 @@ def train(args) -> dict:
     drafter.train()
     while step < args.total_steps and time.perf_counter() - t0 < args.minutes * 60:
         for group in opt.param_groups:
-            group["lr"] = _lr(args, step)
+            group["lr"] = _lr(args, step, warm_from)
         ids, features, anchors, labels, is_copy, positions = batch_inputs(pool, rng, args, args.device)
         rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
         table = head_weight[rows]
@@ -334,7 +336,7 @@ def train(args) -> dict:
             with torch.no_grad():
                 _, tau = chain_tau(logits, labels)
             log["steps"].append(dict(step=step, loss=round(loss.item(), 4), train_tau=round(tau, 3),
-                                     lr=round(_lr(args, step), 7)))
+                                     lr=round(_lr(args, step, warm_from), 7)))
             print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
                   f"train tau {tau:.2f}", flush=True)
         if time.perf_counter() - last_save > args.save_minutes * 60:

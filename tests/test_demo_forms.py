@@ -408,3 +408,14 @@ def test_held_out_tasks_need_the_held_out_text_and_the_real_pair(tokenizer, caps
     with pytest.raises(SystemExit) as info:
         cli.main(["--tasks", "code", "retrieval-minutes", "--out", str(tmp_path), "--no-progress"])
     assert info.value.code == 2 and "--tasks retrieval-minutes go with --real" in capsys.readouterr().err
+
+
+def test_a_fresh_optimizer_warms_up_again_after_resuming_from_weights():
+    from types import SimpleNamespace
+
+    import train_real_drafter
+
+    args = SimpleNamespace(lr=1e-3, warmup=30, total_steps=20000, min_lr=0.1)
+    full = train_real_drafter._lr(args, 10000)                                 # a checkpoint's optimizer: no warm-up
+    assert train_real_drafter._lr(args, 10000, warm_from=10000) == pytest.approx(full / 30)
+    assert train_real_drafter._lr(args, 10029, warm_from=10000) == pytest.approx(train_real_drafter._lr(args, 10029))
