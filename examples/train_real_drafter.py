@@ -256,6 +256,10 @@ def train(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     metas = [json.loads((c / "meta.json").read_text()) for c in args.cache]
+    unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in data.TRAINING_FORMS]
+    if unformed:
+        raise SystemExit(f"{unformed} were extracted before --form (their values may use the evaluation's words, "
+                         "PLANT_WORDS); extract the training forms anew")
     meta = metas[0]
     for c, m in zip(args.cache[1:], metas[1:]):
         if (m["taps"], m["seq_len"]) != (meta["taps"], meta["seq_len"]):

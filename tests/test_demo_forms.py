@@ -410,6 +410,19 @@ def test_held_out_tasks_need_the_held_out_text_and_the_real_pair(tokenizer, caps
     assert info.value.code == 2 and "--tasks retrieval-minutes go with --real" in capsys.readouterr().err
 
 
+def test_train_refuses_a_cache_made_before_forms(fake_real_target, stdlib, tmp_path):
+    """An old cache (--mix / --planted, whose planted lines drew PLANT_WORDS) is refused before any step."""
+    import train_real_drafter
+
+    _extract(tmp_path / "new", stdlib, "code", 1)
+    old = _fake_cache(tmp_path / "old", [2], 1)
+    (old / "meta.json").write_text(json.dumps(dict(taps=[0, 2], seq_len=64, mix=[0.3, 0.3, 0.2, 0.2], planted=1.0)))
+    with pytest.raises(SystemExit, match=r"\['.*old'\] were extracted before --form"):
+        train_real_drafter.main(["train", "--cache", str(tmp_path / "new"), str(old), "--out", str(tmp_path / "o"),
+                                 "--stdlib", str(stdlib)])
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_fresh_optimizer_warms_up_again_after_resuming_from_weights():
     from types import SimpleNamespace
 
