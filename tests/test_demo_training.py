@@ -81,6 +81,17 @@ def test_copy_mask_marks_continuations_of_earlier_ngrams():
     assert mask == [False] * 7 + [True] + [False] * 4
 
 
+def test_copy_mask_longest_match_predicts_from_the_better_occurrence():
+    # "8 1 2" is followed by 4, then "9 1 2" by 3; at the second "8 1 2" the latest "1 2" predicts 3, the
+    # longest match ("8 1 2") predicts 4, which follows
+    ids = torch.tensor([[8, 1, 2, 4, 0, 9, 1, 2, 3, 0, 8, 1, 2, 4]])
+    assert data.copy_mask(ids)[0, 13].item() is False                     # latest "1 2" was followed by 3
+    assert data.copy_mask(ids, max_order=4)[0, 13].item() is True         # "8 1 2" was followed by 4
+    assert torch.equal(data.copy_mask(ids, max_order=2), data.copy_mask(ids))
+    with pytest.raises(ValueError, match="max_order must be >= order=2"):
+        data.copy_mask(ids, max_order=1)
+
+
 def _tiny_target(path, seed=0, vocab=257, mask_token_id=256):
     torch.manual_seed(seed)
     cfg = FoldToyConfig(vocab_size=vocab, mask_token_id=mask_token_id, hidden_size=64, intermediate_size=64,

