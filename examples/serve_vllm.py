@@ -4,7 +4,9 @@ engine's own spec-decode counters.
     python examples/serve_vllm.py                                  # a tiny random pair, built here
     python examples/serve_vllm.py --target TARGET --drafter DRAFTER --window 2048 --alpha 2.0
 
-Run it in the vLLM environment (README: "Serving with vLLM"). The drafter directory is not changed:
+Run it in the vLLM environment (docs/vllm.md). The engine runs with vLLM's defaults (its dtype, its
+compiled mode); ``--dtype`` and ``--eager`` change them, ``--backend triton`` reads through fold's
+Triton kernels (on a CPU: set ``TRITON_INTERPRET=1``). The drafter directory is not changed:
 ``fold.vllm.configure`` writes a copy whose config.json carries the ``fold`` block (weights linked).
 """
 
@@ -29,6 +31,11 @@ def main(argv=None):
     ap.add_argument("--alpha", type=float, default=2.0)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="auto", help="vLLM's dtype (default: its own choice, bfloat16 here)")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
+    ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                    help="fold.attention's backend in the engine (default: Triton on CUDA, torch on a CPU)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
     if (args.target is None) != (args.drafter is None):
         ap.error("give both --target and --drafter, or neither (a tiny random pair)")
@@ -42,15 +49,15 @@ def main(argv=None):
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.vllm.pair import make_drafter, make_target
 
-        args.target, args.drafter = make_target(work / "target"), make_drafter(work / "drafter")
+        args.target, args.drafter = make_target(work / "target", shift=0.0), make_drafter(work / "drafter")
     block = {"read": args.read}
     if args.read != "stock":
-        block["window"] = args.window
+        block.update(window=args.window, backend=args.backend)
     if args.read == "fold":
         block["alpha"] = args.alpha
-    drafter = fold.vllm.configure(args.drafter, work / "drafter-fold", **block)
+    drafter = fold.vllm.configure(args.drafter, work / "drafter-fold", **block, max_model_len=args.max_model_len)
 
-    llm = LLM(model=str(args.target), dtype="float32", max_model_len=2048, enforce_eager=True,
+    llm = LLM(model=str(args.target), dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.eager,
               skip_tokenizer_init=True, seed=0, disable_log_stats=False,
               speculative_config={"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.k})
     prompts = [list(range(3, 200)), [5 + (7 * i) % 200 for i in range(400)]]
