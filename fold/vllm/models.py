@@ -51,11 +51,16 @@ def rope_of(rotary_emb) -> fold.Rope:
     (``[positions, rotary_dim]``: cos then sin, times the embedding's scale) as vLLM forms it in float32
     (:meth:`_compute_cos_sin_cache`), and that table against the one it serves (in the model's dtype,
     at that dtype's precision)."""
-    inv_freq = _table_inv_freq(rotary_emb).to(torch.float32)
+    refused = ValueError(f"fold cannot reproduce this drafter's rotary embedding ({type(rotary_emb).__name__}): "
+                         "its cos/sin cache is not cos/sin(position x inv_freq) times one scale")
     served = rotary_emb.cos_sin_cache.detach()
     size = served.shape[0]
     positions = torch.tensor(sorted({0, 1, 7, 1000 % size, size // 2, size - 1}))
-    table = rotary_emb._compute_cos_sin_cache().detach()[positions].to("cpu", torch.float64)   # vLLM's float32 formula
+    try:                                   # a class whose table takes more than positions (LongRoPE) is refused
+        inv_freq = _table_inv_freq(rotary_emb).to(torch.float32)
+        table = rotary_emb._compute_cos_sin_cache().detach()[positions].to("cpu", torch.float64)   # vLLM's formula
+    except TypeError as exc:
+        raise refused from exc
     served = served[positions.to(served.device)].to("cpu", torch.float64)
     factor = float(table[0, 0])                                                        # cos(0) x scale
     rope = fold.Rope(inv_freq, rotary_dim=rotary_emb.rotary_dim, interleaved=not rotary_emb.is_neox_style,
@@ -68,8 +73,7 @@ def rope_of(rotary_emb) -> fold.Rope:
     shape_ok = table.shape[1] == rotary_emb.rotary_dim == served.shape[1]
     if not shape_ok or bool(((table - want).abs() > tolerance).any()) or bool(
             ((served - table).abs() > eps * factor + 1e-6).any()):
-        raise ValueError(f"fold cannot reproduce this drafter's rotary embedding ({type(rotary_emb).__name__}): "
-                         "its cos/sin cache is not cos/sin(position x inv_freq) times one scale")
+        raise refused
     return rope
 
 
@@ -95,19 +99,39 @@ def install(model: torch.nn.Module, vllm_config) -> int:
         attn, impl = module.attn, module.attn.impl
         if module.rotary_emb is None:
             raise ValueError(f"fold: drafter layer {name} has no rotary embedding; fold's read needs one")
-        sliding = getattr(module, "sliding_window", None)
+        if getattr(impl, "logits_soft_cap", None):
+            raise ValueError(f"fold: drafter layer {name} soft-caps its logits, which fold's read does not")
+        # the module's own window (DFlash, Laguna), else the one its Attention was built with (Gemma-4 DSpark)
+        sliding = getattr(module, "sliding_window", None) or getattr(attn, "sliding_window", None)
         if sliding is not None and sliding < vllm_config.speculative_config.num_speculative_tokens + 1:
             raise ValueError(f"fold: drafter layer {name}'s sliding window {sliding} is shorter than the draft block")
+        causal = getattr(module, "causal", None)
+        if causal is None:
+            causal = _config_causal(hf_config)
+        if causal is None:
+            raise ValueError(f"fold: cannot tell whether drafter layer {name} ({type(module).__name__}) reads its block "
+                             "causally; state it in the drafter config (is_causal or dflash_config.causal)")
+        sinks = getattr(module, "attention_sink_bias", None)
+        if sinks is None:                                   # sinks kept under another name (Laguna's "sink")
+            sinks = getattr(impl, "sinks", None)
         attn.impl = FoldAttentionImpl(impl.num_heads, impl.head_size, impl.scale, impl.num_kv_heads, read=read,
-                                      rope=rope_of(module.rotary_emb), sinks=getattr(module, "attention_sink_bias", None),
+                                      rope=rope_of(module.rotary_emb), sinks=sinks,
                                       kv_cache_dtype=cache_dtype_of(getattr(attn, "kv_cache_dtype", "auto")),
-                                      sliding_window=sliding, causal=bool(getattr(module, "causal", False)))
+                                      sliding_window=sliding, causal=bool(causal))
         attn.attn_backend = FoldAttentionBackend
         attn.backend = compat.AttentionBackendEnum[NAME]
         # vLLM frees a sliding layer's pages once they leave its window; FOLD reads them as far memory,
         # so the layer asks for a full-attention cache (its read still applies the window)
         attn.sliding_window = None
     return len(layers)
+
+
+def _config_causal(hf_config) -> bool | None:
+    """A drafter config's own statement of its layers' causality (``is_causal``, ``dflash_config.causal``)."""
+    stated = getattr(hf_config, "is_causal", None)
+    if stated is None:
+        stated = (getattr(hf_config, "dflash_config", None) or {}).get("causal")
+    return None if stated is None else bool(stated)
 
 
 def check_engine_config(vllm_config) -> None:

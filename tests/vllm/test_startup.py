@@ -129,3 +129,14 @@ def test_every_vllm_name_fold_uses_is_in_the_installed_vllm():
     done = subprocess.run([sys.executable, str(ROOT / "tuning" / "check_vllm_names.py"), str(site)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_the_serving_example_runs_with_vllms_defaults():
+    """README's example as written: vLLM's own dtype (bfloat16 for this float32 checkpoint) and its
+    compiled mode, a tiny pair the script writes."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_vllm.py"), "--new-tokens", "8"],
+                          capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("prompt of ") for line in lines) == 2
+    assert lines[-1].startswith("read=fold: ") and " drafts, " in lines[-1]
