@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 import transformers
-from fold.spec import _hf
+from fold.spec import TargetSession
 
 VOCAB = 97
 TARGET_LAYERS = 4
@@ -175,12 +175,12 @@ def make_drafter(path, target, fmt: str, *, block_size=4, layers=2, taps=(0, 2),
 @torch.no_grad()
 def greedy_ar(target, ids, max_new_tokens, eos=()):
     """The target's own greedy generation, one token per forward with its cache."""
-    session = _hf.TargetSession(target)
-    logits, _ = session.forward(ids[None])
-    new = [int(logits[0, -1].argmax())]
+    session = TargetSession(target)
+    logits, _ = session.prefill(ids)
+    new = [int(logits.argmax())]
     while len(new) < max_new_tokens and new[-1] not in eos:
-        logits, _ = session.forward(torch.tensor([[new[-1]]]), rollback=False)
-        new.append(int(logits[0, -1].argmax()))
+        logits, _ = session.decode(new[-1])
+        new.append(int(logits.argmax()))
     return torch.cat([ids, torch.tensor(new)])
 
 

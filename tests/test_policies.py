@@ -231,14 +231,14 @@ def test_cmr_selects_chunks_by_mean_weight_and_adds_new_ones():
 
 def test_cmr_target_weights_match_transformers_attention(tmp_path):
     pytest.importorskip("transformers")
-    from fold.spec import _hf
+    from fold.spec import TargetSession
     from fold.spec.retrieval import target_attention_weights
     from tests.spec_fixtures import make_target
 
     target = make_target("qwen3", tmp_path / "t")
     ids = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(0))
-    session = _hf.TargetSession(target)
-    _, hidden = session.forward(ids)
+    session = TargetSession(target)
+    _, hidden = session.prefill(ids[0])
     cache = session.cache
     got = target_attention_weights(target, hidden, cache, committed=30, row=29)
     target.config._attn_implementation = "eager"

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from fold import spec
-from fold.spec import _hf
 from fold.spec.generate import BlockProposer
 from fold.spec.policies import make_read
 from tests.spec_fixtures import greedy_ar, make_drafter, make_glide, make_target, padded_batch
@@ -39,7 +38,7 @@ def _slot_confidence(drafter, state, anchor, read, tokens):
 
 def test_cutoff_ends_the_chain_before_the_first_unsure_slot(target, drafter):
     (ids,) = _prompts([30])
-    session = _hf.TargetSession(target)
+    session = spec.TargetSession(target)
     _, hidden = session.prefill(ids)
     read = make_read("fold", drafter.cfg.rope, request=dict(prompt_len=30, max_new_tokens=8, block_size=8), window=8)
     proposer = BlockProposer(drafter, read, max_new_tokens=8, temperature=0.0, generator=None)

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from fold import spec
-from fold.spec import _hf
 from fold.spec.policies import BUILT, make_read
 from reference.tolerance import check_close
 from tests.spec_fixtures import DRAFTER_WINDOW, TARGET_WINDOW, greedy_ar, make_drafter, make_target, padded_batch
@@ -65,15 +64,15 @@ def test_rollback_continues_exactly_for_every_layer_type(family, kept):
     drafts = torch.randint(0, SMALL_VOCAB - 1, (5,), generator=g)
     more = torch.randint(0, SMALL_VOCAB - 1, (3,), generator=g)
     with torch.no_grad():
-        session = _hf.TargetSession(target)
-        session.forward(prompt[None])
-        session.forward(drafts[None])
-        session.crop(len(prompt) + kept)
-        first, _ = session.forward(more[None, :2])
-        session.crop(len(prompt) + kept + 2)                          # everything accepted: nothing removed
-        second, _ = session.forward(more[None, 2:])
+        session = spec.TargetSession(target)
+        session.prefill(prompt)
+        session.verify(drafts)
+        session.commit(kept)
+        first, _ = session.verify(more[:2])
+        session.commit(2)                                             # everything accepted: nothing removed
+        second, _ = session.verify(more[2:])
         cache = session.cache
-        ours = torch.cat([first[0], second[0]])
+        ours = torch.stack(list(first) + list(second))                # every row of the verifications
         fresh = _run(target, torch.cat([prompt, drafts[:kept], more])[None]).logits[0, -3:]
         out = _run(target, torch.cat([prompt, drafts[:kept]])[None], use_cache=True)     # transformers alone
         plain_cache = out["cache"] if "cache" in out else out["past_key_values"]
@@ -90,21 +89,21 @@ def test_rollback_continues_exactly_for_every_layer_type(family, kept):
 
 
 def test_plain_decoding_records_nothing(family):
-    """spec.autoregressive's forwards (rollback=False) keep sliding layers at their window and conv
-    states at the kernel, and copy no state; a verification after them records again."""
+    """spec.autoregressive's decoding steps keep sliding layers at their window and conv states at the
+    kernel, and copy no state; a verification after them records again."""
     _, target, prompts, _ = family
     with torch.no_grad():
-        session = _hf.TargetSession(target)
-        session.forward(prompts[0][None])
+        session = spec.TargetSession(target)
+        session.prefill(prompts[0])
         cache = session.cache
         for token in range(2 * TARGET_WINDOW):
-            session.forward(torch.tensor([[token % (SMALL_VOCAB - 1)]]), rollback=False)
+            session.decode(token % (SMALL_VOCAB - 1))
             for layer in cache.layers:
                 if getattr(layer, "is_sliding", False):
                     assert layer.keys.shape[2] <= TARGET_WINDOW - 1
                 if hasattr(layer, "conv_states"):
                     assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0]
-        session.forward(torch.tensor([[1, 2, 3]]))
+        session.verify(torch.tensor([1, 2, 3]))
         assert all(layer.record_past for layer in cache.layers if hasattr(layer, "record_past"))
 
 
@@ -159,22 +158,22 @@ def test_tree_nodes_see_their_window_and_ancestors(tmp_path):
     depths = [0, 1, 1, 2, 2, 2, 3, 3, 4]
     tokens = torch.randint(0, SMALL_VOCAB - 1, (len(parents),), generator=g).tolist()
     with torch.no_grad():
-        session = _hf.TargetSession(target)
-        session.forward(prompt[None])
+        session = spec.TargetSession(target)
+        session.prefill(prompt)
         with tree_verification(session, tree_mask(parents)[None], depths=torch.tensor(depths)):
-            logits, _ = session.forward(torch.tensor([tokens]), position_ids=torch.tensor([depths]) + len(prompt))
+            logits, _ = session.verify(tokens, position_ids=torch.tensor(depths) + len(prompt))
 
         def path(i):
             return path(parents[i]) + [tokens[i]] if i >= 0 else []
 
         for i in range(len(parents)):
             full = _run(target, torch.cat([prompt, torch.tensor(path(i))])[None]).logits[0, -1]
-            torch.testing.assert_close(logits[0, i], full, msg=f"node {i}")
+            torch.testing.assert_close(logits[i], full, msg=f"node {i}")
         kept = [0, 2, 5]                                                 # root, node 2, node 5
-        session.keep_tree_path(len(tokens), kept)
-        nxt, _ = session.forward(torch.tensor([[5]]))
+        session.keep_path(kept)
+        nxt, _ = session.decode(5)
         fresh = _run(target, torch.cat([prompt, torch.tensor([tokens[k] for k in kept] + [5])])[None]).logits[0, -1]
-    torch.testing.assert_close(nxt[0, -1], fresh)
+    torch.testing.assert_close(nxt, fresh)
 
 
 def test_cmr_target_weights_for_each_family(family):
@@ -191,8 +190,8 @@ def test_cmr_target_weights_for_each_family(family):
         want[dtype] = attentions[-1][0, :, -1].mean(dim=0)                     # the last one is full in both
     target = _double(target)
     with torch.no_grad():
-        session = _hf.TargetSession(target)
-        _, hidden = session.forward(ids)
+        session = spec.TargetSession(target)
+        _, hidden = session.prefill(ids[0])
         cache = session.cache
         got = target_attention_weights(target, hidden, cache, committed=ids.shape[1], row=ids.shape[1] - 1)
     assert got.dtype == torch.float32                                         # a float32 softmax of float64 logits

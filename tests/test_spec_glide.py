@@ -59,15 +59,14 @@ def test_glide_tree_nodes_see_exactly_their_ancestors(target, glide):
 
     Both run in float64: the tree and the chain sum in different orders, and in float32 how far
     apart that leaves them depends on the CPU and the thread count."""
-    from fold.spec import _hf
     from fold.spec.glide import glide_tree
 
     target, glide = copy.deepcopy(target).double(), copy.deepcopy(glide).double()
     glide.bind(target)
 
     prompt = torch.randint(0, 90, (14,), generator=torch.Generator().manual_seed(2))
-    session = _hf.TargetSession(target)
-    session.forward(prompt[None])
+    session = spec.TargetSession(target)
+    session.prefill(prompt)
     cache = session.cache
     state = glide.new_state(64)
     root = glide.forward_tokens(state, prompt, cache)[-1]
@@ -95,13 +94,11 @@ def test_glide_must_match_the_targets_kv_heads(tmp_path, target):
 
 def test_glide_drafts_change_with_its_context(target, glide):
     """The cross-attention really reads the target's cache: a different prefix changes the draft logits."""
-    from fold.spec import _hf
-
     logits = []
     for prefix in ([5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 9, 10]):
         ids = torch.tensor(prefix)
-        session = _hf.TargetSession(target)
-        session.forward(ids[None])
+        session = spec.TargetSession(target)
+        session.prefill(ids)
         cache = session.cache
         state = glide.new_state(16)
         logits.append(glide.forward_tokens(state, ids, cache)[-1])

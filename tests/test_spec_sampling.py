@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from fold import spec
-from fold.spec import _hf
 from tests.spec_fixtures import make_drafter, make_target
 
 VOCAB = 8
@@ -25,8 +24,8 @@ def pair(tmp_path_factory):
 def _exact_marginals(target, prompt, steps):
     """P(x_t) of generated tokens t = 1..steps under the target at TEMPERATURE, by enumeration."""
     def dist(prefix):
-        logits, _ = _hf.TargetSession(target).forward(torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])[None])
-        return torch.softmax(logits[0, -1].double() / TEMPERATURE, -1)
+        logits, _ = spec.TargetSession(target).prefill(torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)]))
+        return torch.softmax(logits.double() / TEMPERATURE, -1)
 
     marginals = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(steps)]
     for prefix_len in range(steps):

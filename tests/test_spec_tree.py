@@ -60,7 +60,6 @@ def test_tree_refuses_sampling(target, drafter):
 def test_tree_forward_gives_each_node_the_logits_of_its_own_path(target):
     """Inside tree_verification, node i's logits equal the target run on prompt + its root-to-node path;
     after compaction to one path the cache continues exactly like a fresh run."""
-    from fold.spec import _hf
     from fold.spec.tree import tree_verification
 
     target = copy.deepcopy(target).double()     # tree vs chain sum in different orders: compare in float64
@@ -69,20 +68,20 @@ def test_tree_forward_gives_each_node_the_logits_of_its_own_path(target):
     parents = [-1, 0, 0, 1, 1, 2, 3, 3]
     tokens = torch.randint(0, 90, (len(parents),), generator=g).tolist()
     depths = [0, 1, 1, 2, 2, 2, 3, 3]
-    session = _hf.TargetSession(target)
-    session.forward(prompt[None])
+    session = spec.TargetSession(target)
+    session.prefill(prompt)
     with torch.no_grad(), tree_verification(session, tree_mask(parents)[None]):
-        logits, _ = session.forward(torch.tensor([tokens]), position_ids=torch.tensor([depths]) + len(prompt))
+        logits, _ = session.verify(tokens, position_ids=torch.tensor(depths) + len(prompt))
 
     def path(i):
         return path(parents[i]) + [tokens[i]] if i >= 0 else []
 
     for i in range(len(parents)):
-        full, _ = _hf.TargetSession(target).forward(torch.cat([prompt, torch.tensor(path(i))])[None])
-        torch.testing.assert_close(logits[0, i], full[0, -1])
+        full, _ = spec.TargetSession(target).prefill(torch.cat([prompt, torch.tensor(path(i))]))
+        torch.testing.assert_close(logits[i], full)
     kept = [0, 1, 4]                                                       # root, node 1, node 4
-    session.keep_tree_path(len(tokens), kept)
-    nxt, _ = session.forward(torch.tensor([[5]]))
+    session.keep_path(kept)
+    nxt, _ = session.decode(5)
     committed = torch.cat([prompt, torch.tensor([tokens[k] for k in kept] + [5])])
-    fresh, _ = _hf.TargetSession(target).forward(committed[None])
-    torch.testing.assert_close(nxt[0, -1], fresh[0, -1])
+    fresh, _ = spec.TargetSession(target).prefill(committed)
+    torch.testing.assert_close(nxt, fresh)

@@ -1,13 +1,19 @@
 """What a verification costs on the target side, without changing its math: a grouped-query target's
-cache read once (``_hf.grouped_sdpa``), and on a CPU the LM head run only on the rows acceptance reads
-(``_hf.LogitRows``)."""
+cache read once (``fold.spec.swap.grouped_sdpa``), and on a CPU the LM head run only on the rows
+acceptance reads (``fold.spec.session.LogitRows``); and the session's verbs (a verification is pending
+until the loop commits it)."""
+
+import copy
+import dataclasses
 
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fold import spec
-from fold.spec import _hf
+from fold.spec import swap
+from fold.spec.session import LogitRows
+from fold.spec.target import TargetFacts
 from reference.tolerance import check_close
 from tests.spec_fixtures import greedy_ar, make_drafter, make_target
 
@@ -49,7 +55,7 @@ def test_grouped_sdpa_matches_transformers(b, hkv, g, t, n, mask_kind):
         q, k, v = _inputs(b, hkv, g, t, n, dtype)
         m = mask if mask.dtype == torch.bool else mask.to(dtype)
         ref, _ = sdpa_attention_forward(module, q, k, v, m, scaling=0.25)
-        out, _ = _hf.grouped_sdpa(module, q, k, v, m, scaling=0.25)
+        out, _ = swap.grouped_sdpa(module, q, k, v, m, scaling=0.25)
         assert out.shape == ref.shape == (b, t, hkv * g, 16)
         outs[dtype] = (ref, out)
     check_close("grouped_sdpa float64", outs[torch.float64][1], outs[torch.float64][0], outs[torch.float32][0],
@@ -75,7 +81,7 @@ def test_grouped_sdpa_hands_other_cases_to_transformers(case, monkeypatch):
     real = sdpa_module.sdpa_attention_forward
     monkeypatch.setattr(sdpa_module, "sdpa_attention_forward",
                         lambda *a, **kw: calls.append(1) or (torch.zeros(()), None))
-    out, _ = _hf.grouped_sdpa(_Module(g), q, k, v, mask, **kwargs)
+    out, _ = swap.grouped_sdpa(_Module(g), q, k, v, mask, **kwargs)
     assert calls == [1] and out.shape == ()                  # transformers' own function answered
     monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", real)
 
@@ -89,12 +95,12 @@ def pair(tmp_path_factory):
 
 def _count_grouped(monkeypatch):
     rows = []
-    real = _hf.grouped_sdpa
+    real = swap.grouped_sdpa
 
     def spy(module, query, *args, **kwargs):
         rows.append(query.shape[2])
         return real(module, query, *args, **kwargs)
-    monkeypatch.setattr(_hf, "grouped_sdpa", spy)
+    monkeypatch.setattr(swap, "grouped_sdpa", spy)
     return rows
 
 
@@ -135,39 +141,60 @@ def _head_rows(target):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_logit_rows_are_the_forwards_rows_computed_when_read(kind, tmp_path):
     target = make_target(kind, tmp_path)
-    ids = torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(0))
-    block = torch.randint(0, 90, (1, 6), generator=torch.Generator().manual_seed(1))
-    plain, lazy = _hf.TargetSession(target), _hf.TargetSession(target)
+    ids = torch.randint(0, 90, (20,), generator=torch.Generator().manual_seed(0))
+    block = torch.randint(0, 90, (6,), generator=torch.Generator().manual_seed(1))
+    facts = TargetFacts.probe(target)
+    assert facts.plain_head and facts.logits_to_keep                  # probed once, by a two-token forward
+    plain, lazy = spec.TargetSession(target, facts=dataclasses.replace(facts, plain_head=False)), \
+        spec.TargetSession(target, facts=facts)
     for s in (plain, lazy):
-        s.forward(ids)
-    full, _ = plain.forward(block)                                # [1, 6, V], every row
-    first, _ = lazy.forward(block, lazy_logits=True)              # the first such forward checks the head
-    assert isinstance(first, torch.Tensor) and _hf._PLAIN_HEAD[target] is True
-    assert torch.equal(first, full[0])                            # the sequence's rows, as a tensor
-    lazy.crop(20)
+        s.prefill(ids)
+    full, _ = plain.verify(block)                                 # [6, V], every row
+    assert isinstance(full, torch.Tensor) and full.shape[0] == 6
     rows = _head_rows(target)
-    got, _ = lazy.forward(block, lazy_logits=True)
-    assert isinstance(got, _hf.LogitRows) and len(got) == 6
+    got, _ = lazy.verify(block)
+    assert isinstance(got, LogitRows) and len(got) == 6
     assert rows == [1]                                            # the model computed row 0 alone
     for i in (0, 3, 3, 5):
-        full64 = full[0, i].double()
-        check_close(f"row {i}", got[i], full64, full[0, i], torch.float32)
+        full64 = full[i].double()
+        check_close(f"row {i}", got[i], full64, full[i], torch.float32)
     assert rows == [1, 1, 1]                                      # rows 3 and 5, each once
     with pytest.raises(IndexError):
         got[6]
-    with pytest.raises(ValueError, match="lazy_logits takes one sequence"):
-        lazy.forward(torch.cat([block, block]), lazy_logits=True)
 
 
 def test_a_head_with_a_transform_after_it_is_never_read_lazily(tmp_path):
     target = make_target("gemma4", tmp_path)                      # final_logit_softcapping
-    s = _hf.TargetSession(target)
-    s.forward(torch.arange(12)[None])
+    s = spec.TargetSession(target)
+    assert s.facts.plain_head is False
+    s.prefill(torch.arange(12))
     for _ in range(2):
-        logits, _ = s.forward(torch.arange(4)[None], lazy_logits=True)
+        logits, _ = s.verify(torch.arange(4))
         assert isinstance(logits, torch.Tensor) and logits.shape[0] == 4     # one sequence's rows [T, V]
-        s.crop(12)
-    assert _hf._PLAIN_HEAD[target] is False
+        s.commit(0)
+
+
+def test_a_verification_is_pending_until_the_loop_commits_it(pair):
+    """Nothing commits implicitly: a forward while a verification is pending is refused, commit keeps
+    a prefix of it (checked), and the cache then continues as a fresh run of the committed tokens."""
+    target = copy.deepcopy(pair[0]).double()          # continued vs fresh sum in different orders: float64
+    ids = torch.randint(0, 90, (15,), generator=torch.Generator().manual_seed(8))
+    s = spec.TargetSession(target)
+    s.prefill(ids)
+    s.verify(torch.tensor([4, 5, 6]))
+    assert (s.length, s.pending) == (18, 3)
+    for verb, args in (("verify", (torch.tensor([1]),)), ("decode", (3,)), ("prefill", (ids,))):
+        with pytest.raises(RuntimeError, match="the last verification \\(3 tokens\\) is not committed"):
+            getattr(s, verb)(*args)
+    with pytest.raises(ValueError, match="kept must lie in \\[0, 3\\]"):
+        s.commit(4)
+    s.commit(2)
+    assert (s.length, s.pending) == (17, 0)
+    with pytest.raises(RuntimeError, match="no verification is pending"):
+        s.commit(1)
+    logits, _ = s.decode(9)
+    fresh, _ = spec.TargetSession(target).prefill(torch.cat([ids, torch.tensor([4, 5, 9])]))
+    check_close("continued", logits, fresh, fresh, torch.float64)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -188,10 +215,10 @@ def test_acceptance_reads_rows_in_order_up_to_the_first_rejection(temperature):
             self.read.append(i)
             return logits[i]
 
-    from fold.spec.generate import _accept
+    from fold.spec.generate import accept
     spy = Spy()
-    got = _accept(drafts, probs, spy, temperature, torch.Generator().manual_seed(9))
-    want = _accept(drafts, probs, logits, temperature, torch.Generator().manual_seed(9))
+    got = accept(drafts, probs, spy, temperature, torch.Generator().manual_seed(9))
+    want = accept(drafts, probs, logits, temperature, torch.Generator().manual_seed(9))
     assert got == want
     assert sorted(set(spy.read)) == list(range(got[0] + 1))      # rows 0..a, none after
     if temperature == 0.0:
@@ -202,7 +229,6 @@ def test_a_generate_on_a_cpu_pays_the_head_for_the_rows_it_reads(pair, monkeypat
     target, drafter = pair
     ids = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(6))
     want = greedy_ar(target, ids[0], 40)[30:].tolist()
-    spec.generate(target, drafter, ids, max_new_tokens=4, policy="fold", window=8)     # the head checked once
     calls = []
 
     def oracle(state, anchor, read, temperature=0.0, generator=None, **_):
@@ -215,14 +241,14 @@ def test_a_generate_on_a_cpu_pays_the_head_for_the_rows_it_reads(pair, monkeypat
             drafts[j] = (drafts[j] + 1) % 90
         calls.append(j)
         return drafts, None
-    computed, real = [], _hf.LogitRows.__getitem__
+    computed, real = [], LogitRows.__getitem__
 
     def spy(self, i):
-        if i not in self._rows:
+        if i not in self.computed:
             computed.append(i)
         return real(self, i)
     monkeypatch.setattr(drafter, "draft", oracle)
-    monkeypatch.setattr(_hf.LogitRows, "__getitem__", spy)
+    monkeypatch.setattr(LogitRows, "__getitem__", spy)
     out = spec.generate(target, drafter, ids, max_new_tokens=24, policy="fold", window=8)
     assert out.sequences[0, 30:].tolist() == want[:24]
     per_round = out.stats["per_sequence"][0]["accepted_per_round"]   # accepted drafts + the target's token

@@ -5,10 +5,10 @@
 - attention of ``--rows`` query rows (the anchor and the drafts) over ``L`` cached keys of a
   grouped-query layer (default: SmolLM2-135M's 9 query / 3 K/V heads of 64) under the verification's
   mask: transformers' SDPA function (``repeat_kv`` copies K/V for several rows) against
-  ``fold.spec._hf.grouped_sdpa`` (the query heads of a K/V head stacked as rows), and one row
+  ``fold.spec.swap.grouped_sdpa`` (the query heads of a K/V head stacked as rows), and one row
   (plain decoding) for scale;
 - the LM head (default 49,152 x 576) on every row of a round against one row, what a round pays with
-  ``_hf.LogitRows`` per row acceptance reads.
+  ``fold.spec.session.LogitRows`` per row acceptance reads.
 
 A benchmark, not a test: medians of ``--repeats`` calls; an absolute time means something on this
 machine only, the ratios printed beside them are the result.
@@ -36,7 +36,7 @@ def _median_ms(fn, repeats: int) -> float:
 def attention_row(length: int, rows: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fold.spec._hf import grouped_sdpa
+    from fold.spec.swap import grouped_sdpa
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, rows, head_dim, generator=g)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fold
-from fold.spec._hf import LogitRows
+from fold.spec.session import LogitRows
 
 
 @dataclass

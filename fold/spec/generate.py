@@ -6,9 +6,9 @@ One loop (:func:`_decode`) runs every kind of decoding; a proposer drafts, the t
     proposer.start(session, prompt, hidden)                   # the drafter's context
     while not done:
         draft = proposer.draft(session, new)                  # chain or tree; nothing for plain decoding
-        post  = session.forward([anchor] + draft)             # one target forward verifies all
+        post  = session.verify([anchor] + draft)              # one target forward verifies all
         a     = longest prefix with draft[i] == post[i]       # greedy (rejection sampling above T = 0)
-        commit draft[:a] + [post[a]];  session.crop(committed)    # or keep a tree's accepted path
+        commit draft[:a] + [post[a]];  session.commit(a + 1)  # or keep a tree's accepted path
         proposer.accept(session, verified rows)               # features in / drafter cache cropped
 
 Proposers: :class:`BlockProposer` (DFlash/DSpark, chain or tree), :class:`GlideProposer` (LongSpec,
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fold.spec import _hf
 from fold.spec.drafter import Drafter
-from fold.spec.loading import check_fits
-from fold.spec._hf import Prefills
 from fold.spec.glide import GlideDrafter, glide_tree
+from fold.spec.loading import check_fits
 from fold.spec.policies import Read, make_read
+from fold.spec.session import Prefills, TargetSession
+from fold.spec.target import TargetFacts, check_target, dispatches_attention
 from fold.spec.tree import build_tree, verify_tree
 
 
@@ -98,13 +98,13 @@ def _sample(logits, temperature, generator):
     return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator))
 
 
-def _accept(drafts, draft_probs, target_logits, temperature, generator):
+def accept(drafts, draft_probs, target_logits, temperature, generator):
     """How many drafts to keep and the target's token after them.
 
     Greedy: the longest prefix equal to the target's argmax, then the target's argmax. Sampling:
     standard rejection sampling, keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
     rejection draw from max(p_i - q_i, 0) renormalised; if all are kept, draw the bonus from p_n.
-    ``target_logits``: ``[n + 1, V]``, a tensor or :class:`_hf.LogitRows`; rows are read in order and
+    ``target_logits``: ``[n + 1, V]``, a tensor or :class:`fold.spec.session.LogitRows`; rows are read in order and
     only up to the first rejection.
     """
     if temperature == 0.0:
@@ -170,18 +170,18 @@ class Verified:
     hidden_states: tuple
 
 
-def _verify(session: _hf.TargetSession, anchor: int, draft: Draft, temperature, generator, rollback: bool):
-    """The target's half of a round: one forward over the anchor and the draft, acceptance, and the
-    cache rolled back to the committed entries."""
-    t = session.length                                        # the anchor's position
+def _verify(session: TargetSession, anchor: int, draft: Draft, temperature, generator):
+    """The target's half of a round: one forward over the anchor and the draft (a plain decoding step
+    when nothing is drafted), acceptance, and the accepted entries committed."""
     if draft.parents is not None:
-        path, token, kept, hidden_states = verify_tree(session, draft.tokens, draft.parents, draft.depths, t)
+        path, token, kept, hidden_states = verify_tree(session, draft.tokens, draft.parents, draft.depths)
         return Verified([draft.tokens[i] for i in path] + [token], kept, kept[-1], hidden_states)
-    ids = torch.tensor([[anchor] + draft.tokens], device=session.device)
-    rows, hidden_states = session.forward(ids, rollback=rollback, lazy_logits=True)
-    a, token = _accept(draft.tokens, draft.probs, rows, temperature, generator)
-    if rollback:
-        session.crop(t + a + 1)                               # anchor + accepted drafts stay
+    if not draft.tokens:
+        logits, hidden_states = session.decode(anchor)
+        return Verified([_sample(logits, temperature, generator)], slice(0, 1), 0, hidden_states)
+    rows, hidden_states = session.verify([anchor] + draft.tokens)
+    a, token = accept(draft.tokens, draft.probs, rows, temperature, generator)
+    session.commit(a + 1)                                     # anchor + accepted drafts stay
     return Verified(draft.tokens[:a] + [token], slice(0, a + 1), a, hidden_states)
 
 
@@ -200,7 +200,7 @@ def _decode(session, proposer, ids: torch.Tensor, max_new_tokens: int, eos: set[
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
         draft = proposer.draft(session, new)
-        verified = _verify(session, new[-1], draft, temperature, generator, proposer.rollback)
+        verified = _verify(session, new[-1], draft, temperature, generator)
         proposer.accept(session, verified)
         drafted += draft.size
         rounds.append(len(verified.tokens))
@@ -210,8 +210,6 @@ def _decode(session, proposer, ids: torch.Tensor, max_new_tokens: int, eos: set[
 
 class Plain:
     """Plain autoregressive decoding: no drafts, one target forward per token, nothing recorded."""
-
-    rollback = False
 
     def start(self, session, ids, hidden_states) -> None:
         pass
@@ -226,8 +224,6 @@ class Plain:
 class BlockProposer:
     """A block drafter (DFlash/DSpark): its context holds the target features of every committed
     entry; ``tree`` drafts a token tree from the per-slot candidates instead of a chain."""
-
-    rollback = True
 
     def __init__(self, drafter: Drafter, read, max_new_tokens: int, temperature: float, generator, tree=None,
                  draft_len: int | None = None, cutoff: float = 0.0):
@@ -259,8 +255,6 @@ class BlockProposer:
 class GlideProposer:
     """LongSpec's GLIDE: a chain of ``gamma`` drafts, or a beam ``tree``, drafted autoregressively
     while reading the target's last-layer cache; the tokens it lacks are fed at the next round."""
-
-    rollback = True
 
     def __init__(self, drafter, gamma: int, max_new_tokens: int, temperature: float, generator, tree=None,
                  cutoff: float = 0.0):
@@ -396,7 +390,7 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
                              f"context policies do not apply (got policy={policy!r}, options {sorted(policy_options)})")
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be a positive int, got {gamma!r}")
-    _hf.check_target(target, tree=tree is not None)           # layer types it can roll back (and tree-verify)
+    check_target(target, tree=tree is not None)               # layer types it can roll back (and tree-verify)
     policy = "fold" if policy is None else policy
     if not (isinstance(policy, str) or callable(policy)):
         raise TypeError(f"policy must be a policy name or a read factory policy(request) -> read, "
@@ -410,7 +404,7 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
             raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
         if temperature != 0.0:
             raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
-        if not _hf.TargetSession(target).can_swap_attention:
+        if not dispatches_attention(target):
             raise ValueError(f"tree verification runs fold.tree_attention through transformers' AttentionInterface; "
                              f"{type(target).__name__} does not dispatch its attention there, so use a chain "
                              "(tree=None)")
@@ -437,11 +431,13 @@ def _check_chain_options(draft_len, draft_cutoff, tree, glide) -> None:
 
 def _run_rows(target, proposer, input_ids, attention_mask, max_new_tokens, eos, temperature, generator, bar,
               prefill) -> GenerateResult:
-    """Every batch row through :func:`_decode`, one after another, each with its own session."""
+    """Every batch row through :func:`_decode`, one after another, each with its own session (the
+    target's facts probed once for them all)."""
     rows, all_stats = [], []
+    facts = prefill.facts if prefill is not None else TargetFacts.probe(target)
     for b in range(input_ids.shape[0]):
         ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
-        session = _hf.TargetSession(target, prefill)
+        session = TargetSession(target, prefill, facts)
         new, stats = _decode(session, proposer(ids), ids, max_new_tokens, eos, float(temperature), generator, bar)
         rows.append(torch.cat([ids, torch.tensor(new, dtype=ids.dtype, device=ids.device)]))
         all_stats.append(stats)

@@ -21,7 +21,7 @@ from torch import nn
 
 import fold
 from fold.rope import rotate, work_dtype
-from fold.spec import _hf
+from fold.spec.rollback import layer_keys, layer_values
 from fold.spec.drafter import MLP, RMSNorm
 from fold.spec.tree import expand_level
 
@@ -119,8 +119,8 @@ class GlideDrafter(nn.Module):
         state.k[:, start:start + n] = self._rope(self._heads(a.k_proj(x), cfg.heads_kv), pos)
         state.v[:, start:start + n] = self._heads(a.v_proj(x), cfg.heads_kv)
         state.length = start + n
-        k_target = _hf.layer_keys(target_cache, -1)[0].to(h.dtype)                     # [Hkv, Lt, d] post-RoPE
-        v_target = _hf.layer_values(target_cache, -1)[0].to(h.dtype)
+        k_target = layer_keys(target_cache, -1)[0].to(h.dtype)                     # [Hkv, Lt, d] post-RoPE
+        v_target = layer_values(target_cache, -1)[0].to(h.dtype)
         outs = []
         for c0 in range(0, n, QUERY_CHUNK):                                           # self-attention
             p = pos[c0:c0 + QUERY_CHUNK]

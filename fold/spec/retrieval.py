@@ -18,11 +18,14 @@ retrieval):
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 import fold
 from fold.rope import rotate, work_dtype
-from fold.spec import _hf
+from fold.spec.rollback import key_layer, layer_keys
+from fold.spec.target import decoder_layers, layer_types
 
 
 class InfLLMRead:
@@ -150,17 +153,49 @@ def target_attention_weights(target, hidden_states, cache, committed: int, row: 
     """Softmax weights of the query at position ``committed - 1`` over keys ``[0, committed)`` in the
     target's last full-attention layer, averaged over heads -> ``[committed]``.
 
-    The query is the layer's own (its norms, gate split, partial RoPE: ``_hf.attention_query``); a
+    The query is the layer's own (its norms, gate split, partial RoPE: :func:`attention_query`); a
     target outside transformers' ``AttentionInterface`` can provide the same scores as
     ``target.fold_attention_weights(hidden_states, cache, committed, row)`` (the demo's toy does).
     """
     if hasattr(target, "fold_attention_weights"):
         return target.fold_attention_weights(hidden_states, cache, committed, row)
-    types = getattr(target.config, "layer_types", None) or ["full_attention"] * len(_hf.decoder_layers(target))
+    types = getattr(target.config, "layer_types", None) or ["full_attention"] * len(decoder_layers(target))
     index = max(i for i, t in enumerate(types) if t == "full_attention")
-    q, scaling = _hf.attention_query(target, index, hidden_states[index][:, row:row + 1],
-                                     torch.tensor([committed - 1]))                     # [1, Hq, 1, d]
-    keys = _hf.layer_keys(cache, _hf.key_layer(cache, index, types))[:, :, :committed]   # [1, Hkv, t, d]
+    q, scaling = attention_query(target, index, hidden_states[index][:, row:row + 1],
+                                 torch.tensor([committed - 1]))                         # [1, Hq, 1, d]
+    keys = layer_keys(cache, key_layer(cache, index, types))[:, :, :committed]           # [1, Hkv, t, d]
     keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
     weights = torch.softmax((q @ keys.transpose(-1, -2)).float() * scaling, dim=-1)
     return weights[0, :, 0].mean(dim=0)
+
+
+@torch.no_grad()
+def attention_query(target, index: int, hidden_in, positions):
+    """The rotated query of attention layer ``index`` for rows whose layer input is ``hidden_in
+    [1, T, H]`` at ``positions [T]`` -> ``(q [1, Hq, T, d], scaling)``, exactly as the layer computes
+    it (its norms, gate split, partial or proportional RoPE), read through ``AttentionInterface``."""
+    layer = decoder_layers(target)[index]
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden_in)
+    rotary = target.model.rotary_emb
+    pos = positions.view(1, -1).to(x.device)
+    types = layer_types(target)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        embeddings = rotary(x, pos, layer_type=types[index] if types else "full_attention")
+    else:
+        embeddings = rotary(x, pos)
+    kwargs = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
+    if "shared_kv_states" in inspect.signature(type(attn).forward).parameters:   # only the query is read
+        kwargs["shared_kv_states"] = dict.fromkeys(set(types) or {"full_attention"}, (None, None))
+    captured = []
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        captured.append((query, scaling))
+        return query.transpose(1, 2), None                  # [B, T, Hq, d], the shape the layer expects
+
+    from fold.spec.swap import attention_swapped
+
+    with attention_swapped(target, capture):
+        attn(**kwargs)
+    query, scaling = captured.pop()
+    return query, (scaling if scaling is not None else attn.scaling)

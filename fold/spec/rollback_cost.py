@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from fold.spec import _hf
+from fold.spec.rollback import copy_linear_states
+from fold.spec.session import TargetSession
 
 
 def _qwen35(layers: int):
@@ -60,20 +61,20 @@ def measure(config, *, prompt: int, block: int, repeats: int, dtype):
     rows = {}
     for kept in (1, block // 2, block):
         def round_trip(kept=kept):
-            session = _hf.TargetSession(model)
-            session.forward(ids)
+            session = TargetSession(model)
+            session.prefill(ids[0])
             t0 = time.perf_counter()
-            session.forward(verify)
+            session.verify(verify[0])
             t1 = time.perf_counter()
-            session.crop(prompt + kept)
+            session.commit(kept)
             t2 = time.perf_counter()
             return t1 - t0, t2 - t1, session.cache
         times = [round_trip() for _ in range(repeats)]
         rows[kept] = (1e3 * min(t[0] for t in times), 1e3 * min(t[1] for t in times))
         cache = times[-1][2]
-    snapshot = _hf.copy_linear_states(cache)
+    snapshot = copy_linear_states(cache)
     copy_bytes = sum(c.numel() * c.element_size() + r.numel() * r.element_size() for c, r in snapshot.values())
-    copy_ms = _ms(lambda: _hf.copy_linear_states(cache), repeats)
+    copy_ms = _ms(lambda: copy_linear_states(cache), repeats)
     return rows, copy_bytes, len(snapshot), copy_ms
 
 

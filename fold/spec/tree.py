@@ -7,7 +7,8 @@ for every node: node ``i`` at depth ``d_i`` (position ``committed + d_i``) sees 
 at positions ``> committed + d_i - W`` and its ancestors at depth ``> d_i - W``. The entries every
 node sees go through ``fold.tree_attention`` as its cache segment; the at most ``max depth``
 oldest window entries that only shallower nodes see are one small masked read, merged by LSE
-(``fold.merge_states``). Targets with linear-attention layers are refused (``_hf.check_target``).
+(``fold.merge_states``). Targets with linear-attention layers are refused
+(``fold.spec.target.check_target``).
 """
 
 from __future__ import annotations
@@ -135,16 +136,15 @@ def accept_path(tokens, parents, target_argmax):
 
 
 @torch.no_grad()
-def verify_tree(session, tokens, parents, depths, committed: int):
-    """Verify a tree (node 0 = the anchor at position ``committed``) in one target forward, compact
-    the cache to the accepted path. Returns ``(path, bonus, kept rows, hidden_states)``."""
-    device = next(session.target.parameters()).device
+def verify_tree(session, tokens, parents, depths):
+    """Verify a tree (node 0 = the anchor, at the session's next position) in one target forward,
+    keep the accepted path. Returns ``(path, bonus, kept rows, hidden_states)``."""
+    device = session.device
     mask = tree_mask(parents).to(device)[None]
-    ids = torch.tensor([tokens], device=device)
-    positions = torch.tensor([depths], device=device) + committed
+    positions = torch.tensor(depths, device=device) + session.length
     with tree_verification(session, mask, depths=torch.tensor(depths, device=device)):
-        logits, hidden_states = session.forward(ids, position_ids=positions)
-    path, bonus = accept_path(tokens, parents, logits[0].argmax(-1).tolist())
+        logits, hidden_states = session.verify(tokens, position_ids=positions)
+    path, bonus = accept_path(tokens, parents, logits.argmax(-1).tolist())
     kept = [0] + path
-    session.keep_tree_path(len(tokens), kept)
+    session.keep_path(kept)
     return path, bonus, kept, hidden_states
