@@ -17,16 +17,11 @@ whether the outputs are identical (they must be at temperature 0).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-import torch
-
-import fold.demo  # noqa: F401  (registers the demo's fold_toy target with transformers)
-from fold import spec
-from fold.attention import MAX_ALPHA
-from fold.spec.policies import BUILT
-
-# options each policy takes from the command line (the rest keep their defaults)
+# options each policy takes from the command line (the rest keep their defaults); its keys are
+# fold.spec.POLICIES (a test checks), written out so that a usage error needs no torch import
 POLICY_OPTIONS = {"fold": ("window", "alpha"), "window": ("window",), "rerope": ("window",), "infllm": ("window",),
                   "streaming": (), "dflash": (), "yarn": (), "cmr": ()}
 
@@ -57,11 +52,14 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def _positive(kind):
+def _at_least(kind, low):
     def parse(text):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind.__name__} >= {low}, got {text!r}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
         return value
     return parse
 
@@ -77,11 +75,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="a transformers causal-LM directory")
     parser.add_argument("--drafter", type=Path, required=True, help="a drafter directory (spec.load_drafter)")
-    parser.add_argument("--policy", choices=BUILT, default="fold")
+    parser.add_argument("--policy", choices=sorted(POLICY_OPTIONS), default="fold")
     parser.add_argument("--prompt-file", type=Path, required=True)
-    parser.add_argument("--max-new-tokens", type=_positive(int), default=256)
-    parser.add_argument("--window", type=_positive(int), default=2048, help="W of fold/window/rerope/infllm")
-    parser.add_argument("--alpha", type=float, default=2.0, help=f"fold's alpha, in [1, {MAX_ALPHA:g}]")
+    parser.add_argument("--max-new-tokens", type=_at_least(int, 1), default=256)
+    parser.add_argument("--window", type=_at_least(int, 0), default=2048,
+                        help="W of fold/window/rerope/infllm (0: no context at exact positions)")
+    parser.add_argument("--alpha", type=float, default=2.0, help="fold's alpha, in [1, 1e4]")
     parser.add_argument("--temperature", type=_non_negative_float, default=0.0)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--tokenizer", choices=["auto", "hf", "bytes"], default="auto",
@@ -96,8 +95,6 @@ def parse_args(argv=None):
         parser.error(f"--prompt-file {args.prompt_file} does not exist")
     if not args.prompt_file.read_text().strip():
         parser.error(f"--prompt-file {args.prompt_file} is empty")
-    if not 1.0 <= args.alpha <= MAX_ALPHA:
-        parser.error(f"--alpha must lie in [1, {MAX_ALPHA:g}], got {args.alpha}")
     has_tokenizer = any((args.target / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model"))
     if args.tokenizer == "auto":
@@ -108,14 +105,26 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)                      # before any heavy import: a usage error is immediate
+    import torch
     import transformers
 
+    import fold.demo  # noqa: F401  (registers the demo's fold_toy target with transformers)
+    from fold import spec
+    from fold.spec.loading import check_target_dir
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else HFTokenizer(args.target)
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
-    target.eval()
-    drafter = spec.load_drafter(args.drafter, target)
+    try:                                        # a bad pair, file or option: one line naming it, no traceback
+        check_target_dir(args.target)           # a drafter passed as the target: refused before any weights load
+        tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else HFTokenizer(args.target)
+        target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
+        target = target.to(device).eval()
+        drafter = spec.load_drafter(args.drafter, target)
+        spec.make_read(args.policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
+                       **{name: getattr(args, name) for name in POLICY_OPTIONS[args.policy]})
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"generate.py: error: {exc}", file=sys.stderr)
+        return 2
     ids = torch.tensor([tokenizer.encode(args.prompt_file.read_text())], device=device)
     print(f"prompt: {ids.shape[1]} tokens; drafter block {drafter.cfg.block_size}, taps {drafter.cfg.target_layer_ids}")
     options = {name: getattr(args, name) for name in POLICY_OPTIONS[args.policy]}

@@ -81,23 +81,27 @@ def _target_without_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--max-new-tokens", "0"], "--max-new-tokens: must be > 0"),
-    (["--window", "-5"], "--window: must be > 0"),
-    (["--alpha", "0.5"], "--alpha must lie in [1, 10000]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (["--window", "-5"], "--window: must be >= 0"),
+    (["--alpha", "0.5"], "alpha must be finite and in [1, 10000]"),
     (["--temperature", "-1"], "--temperature: must be a finite number >= 0"),
     (["--tokenizer", "hf"], "has no tokenizer files; pass --tokenizer bytes"),
 ])
 def test_generate_example_rejects_bad_options(tmp_path, capsys, extra, words):
+    """A usage error (argparse's exit 2) or, for what only the library checks, one line and exit code 2."""
     import fold.demo
     import generate
 
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):\n")
     target = _target_without_tokenizer(tmp_path) if "--tokenizer" in extra else fold.demo.TARGET_DIR
-    with pytest.raises(SystemExit) as info:
-        generate.main(["--target", str(target), "--drafter", str(fold.demo.DRAFTER_DIR),
-                       "--prompt-file", str(prompt)] + extra)
-    assert info.value.code == 2 and words in capsys.readouterr().err
+    try:
+        code = generate.main(["--target", str(target), "--drafter", str(fold.demo.DRAFTER_DIR),
+                              "--prompt-file", str(prompt), "--dtype", "float32"] + extra)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err
 
 
 def test_generate_example_rejects_missing_files(tmp_path, capsys):
@@ -125,3 +129,50 @@ def test_engine_cache_example_matches_the_reference(capsys):
     with pytest.raises(SystemExit):
         engine_cache.main(["--heads", "6", "4"])
     assert "must be a multiple of HKV=4" in capsys.readouterr().err
+
+
+def test_generate_example_prints_a_usage_error_before_importing_torch(tmp_path):
+    """The CLI parses its arguments first: a usage error needs none of torch, transformers or fold."""
+    import subprocess
+
+    script = ("import runpy, sys\nsys.argv = ['generate.py', '--policy', 'fold']\n"
+              "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+              "except SystemExit as e:\n    print('exit', e.code)\n"
+              "print('heavy', sorted(m for m in ('torch', 'transformers', 'fold') if m in sys.modules))\n"
+              % str(Path(__file__).resolve().parents[1] / "examples" / "generate.py"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "the following arguments are required: --target, --drafter, --prompt-file" in done.stderr
+    assert done.stdout.splitlines() == ["exit 2", "heavy []"]
+
+
+def test_generate_example_names_a_swapped_pair_without_a_traceback(tmp_path, capsys):
+    import generate
+
+    target = make_target("qwen3", tmp_path / "target")
+    make_drafter(tmp_path / "drafter", target, "zlab")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("w1 w2 w3")
+    common = ["--prompt-file", str(prompt), "--dtype", "float32", "--tokenizer", "bytes"]
+    assert generate.main(["--target", str(tmp_path / "drafter"), "--drafter", str(tmp_path / "target"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "is a DFlash/DSpark drafter (DFlashDraftModel), not a target" in err and "Traceback" not in err
+    assert generate.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "target"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "is a target model (Qwen3ForCausalLM), not a drafter" in err and "pass this one as the target" in err
+
+
+def test_generate_example_takes_a_window_of_zero_as_the_library_does(tmp_path):
+    import generate
+    from fold import spec
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("w1 w2")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{}")
+    args = generate.parse_args(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "t"), "--prompt-file",
+                                str(prompt), "--window", "0", "--tokenizer", "bytes"])
+    assert args.window == 0
+    assert set(generate.POLICY_OPTIONS) == set(spec.POLICIES)
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "t"), "--prompt-file",
+                             str(prompt), "--window", "-1"])

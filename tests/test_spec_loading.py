@@ -172,3 +172,26 @@ def test_deepspec_block_size_must_be_positive(tmp_path, target):
     _rewrite_config(path, block_size=0)
     with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
         spec.load_drafter(path, target)
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "zlab-legacy", "deepspec-dflash", "dspark"])
+def test_a_drafter_directory_is_refused_as_a_target_before_any_weights_load(tmp_path, target, fmt, monkeypatch):
+    from fold.spec.loading import check_target_dir, drafter_kind
+
+    path = make_drafter(tmp_path / fmt, target, fmt)
+    assert "drafter" in drafter_kind(path)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ValueError, match="is a DFlash/DSpark drafter .*, not a target: a target directory holds"):
+        check_target_dir(path)
+
+
+def test_a_target_directory_is_refused_as_a_drafter_naming_what_it_is(tmp_path, target):
+    from fold.spec.loading import check_target_dir, drafter_kind
+
+    target.save_pretrained(tmp_path / "t")
+    assert drafter_kind(tmp_path / "t") is None
+    check_target_dir(tmp_path / "t")                                   # a target passes
+    with pytest.raises(ValueError, match=r"is a target model \(LlamaForCausalLM\), not a drafter.*as the target"):
+        spec.load_drafter(tmp_path / "t", target)
+    with pytest.raises(ValueError, match="not a model directory"):
+        check_target_dir(tmp_path / "nowhere")

@@ -171,6 +171,11 @@ def _drafter_format(config: dict, path: Path) -> tuple[str, dict]:
         return "zlab", dflash
     if arch in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
         return arch, dflash
+    if arch is not None and arch.endswith(("ForCausalLM", "LMHeadModel")):
+        raise ValueError(f"{path} is a target model ({arch}), not a drafter: a drafter directory holds a z-lab "
+                         "DFlash ('DFlashDraftModel' or a dflash_config block), a DeepSpec DFlash/DSpark "
+                         "('Qwen3DSparkModel', 'Gemma4DSparkModel') or a LongSpec GLIDE layer; pass this one as "
+                         "the target")
     raise ValueError(f"{path}: unknown drafter architecture {arch!r}; supported: 'DFlashDraftModel' "
                      "(z-lab DFlash), 'Qwen3DSparkModel' and 'Gemma4DSparkModel' (DeepSpec DFlash / DSpark)")
 
@@ -321,21 +326,52 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _weight_names(path: Path) -> list[str]:
+    """The tensor names of ``path/model.safetensors`` (its header only), or [] without that file."""
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        return []
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), "pt") as f:
+            return list(f.keys())
+    except Exception as e:        # SafetensorError names no file
+        raise ValueError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def drafter_kind(path) -> str | None:
+    """What drafter ``path`` holds, named for a message (``"a z-lab DFlash drafter (DFlashDraftModel)"``), or
+    None when its ``config.json`` and weights name no drafter (from the config and the safetensors header:
+    no weights are loaded)."""
+    path = Path(path)
+    config = read_json(path / "config.json")
+    arch = architecture(config, path)
+    names = _weight_names(path)
+    if arch in DRAFTER_ARCHITECTURES or config.get("dflash_config") or "fc.weight" in names:
+        return f"a DFlash/DSpark drafter ({arch or 'a dflash_config block'})"
+    if "Glide" in (arch or "") or any(k.removeprefix("model.").startswith("cross_attn.") for k in names):
+        return f"a LongSpec GLIDE drafter ({arch or 'cross_attn weights'})"
+    return None
+
+
+def check_target_dir(path) -> None:
+    """Refuse, before any weights load, a target directory that holds a drafter, naming what it is."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: not a model directory (no config.json)")
+    kind = drafter_kind(path)
+    if kind is not None:
+        raise ValueError(f"{path} is {kind}, not a target: a target directory holds a causal LM (config.json "
+                         "naming e.g. LlamaForCausalLM, its weights, its tokenizer); pass this one as the drafter")
+
+
 def _is_glide(path: Path, config: dict) -> bool:
     if "Glide" in (architecture(config, path) or ""):
         return True
     if architecture(config, path) in DRAFTER_ARCHITECTURES or config.get("dflash_config"):
         return False
-    weights = path / "model.safetensors"
-    if weights.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(weights), "pt") as f:
-                return any(k.removeprefix("model.").startswith("cross_attn.") for k in f.keys())
-        except Exception as e:        # SafetensorError names no file
-            raise ValueError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    return False
+    return any(k.removeprefix("model.").startswith("cross_attn.") for k in _weight_names(path))
 
 
 def load_glide(path: Path, config: dict, target):
