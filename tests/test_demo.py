@@ -262,3 +262,45 @@ def test_results_are_written_table_first_and_atomically(tmp_path, monkeypatch):
         cli.save_results(records[:1], tmp_path)
     assert json.loads((tmp_path / "results.json").read_text()) == records      # the old, complete results
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "table.txt", "tau_vs_length.png"]
+
+
+def test_results_get_a_plain_files_mode_and_the_plot_the_tables_lengths(tmp_path):
+    """Written files are readable as any file the user writes (not mkstemp's 0600), and the plot's
+    ticks name the lengths as the table does (2,031, not 1.98K)."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    records = [dict(task="code", length=n, policy=p, tau=1.0, tau_ci=[1.0, 1.0], speedup=1.0, speedup_ci=[1.0, 1.0],
+                    lossless=True) for n in (2031, 8128) for p in ("AR", "fold")]
+    umask = os.umask(0o022)
+    try:
+        cli.save_results(records, tmp_path)
+    finally:
+        os.umask(umask)
+    for name in ("results.json", "table.txt", "tau_vs_length.png"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+    seen = []
+    real_xticks = matplotlib.axes.Axes.set_xticks
+
+    def spy(self, ticks, labels=None, **kwargs):
+        seen.append(list(labels) if labels is not None else None)
+        return real_xticks(self, ticks, labels, **kwargs)
+    matplotlib.axes.Axes.set_xticks = spy
+    try:
+        cli.plot(records, tmp_path / "p.png")
+    finally:
+        matplotlib.axes.Axes.set_xticks = real_xticks
+    assert ["2,031", "8,128"] in seen
+
+
+def test_the_real_pairs_results_go_to_their_own_default_folder(monkeypatch, tmp_path):
+    """--real writes into fold-demo-out-real, the toy pair into fold-demo-out (never over each other)."""
+    monkeypatch.chdir(tmp_path)
+    made = []
+    monkeypatch.setattr(cli, "check_writable", lambda out: (made.append(out), (_ for _ in ()).throw(OSError("stop"))))
+    for argv, want in ((["--no-progress"], "fold-demo-out"), (["--real", "--no-progress"], "fold-demo-out-real")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert made[-1] == Path(want)

@@ -466,7 +466,7 @@ def plot(records: list[dict], path: Path) -> None:
         lengths = sorted({r["length"] for r in rs})
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
-            ax.set_xticks(lengths, [f"{n / 1024:.3g}K" if n >= 1024 else str(n) for n in lengths])
+            ax.set_xticks(lengths, [f"{n:,}" for n in lengths])               # as the table prints them
             ax.minorticks_off()
             ax.grid(alpha=0.3)
         top.set_ylabel("tau (tokens per round)")
@@ -512,11 +512,15 @@ def check_writable(out: Path) -> None:
 
 
 def _write_atomically(path: Path, write) -> None:
-    """``write(temporary path)``, then rename over ``path``: a reader never sees half a file."""
+    """``write(temporary path)``, then rename over ``path``: a reader never sees half a file. The file
+    gets the mode a plain ``open`` would give it (``mkstemp``'s 0600 is for the temporary name only)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -545,7 +549,8 @@ def main(argv=None) -> int:
                          "training format and in two held-out forms (--quick: 2 lengths, 3 rows, 1 prompt per cell)")
     ap.add_argument("--drafter", type=Path, default=None,
                     help="with --real: a drafter directory other than the shipped fold/demo/artifacts/real_drafter")
-    ap.add_argument("--out", type=Path, default=Path("fold-demo-out"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: fold-demo-out, or fold-demo-out-real with --real)")
     ap.add_argument("--lengths", type=_int_at_least(256), nargs="+",
                     help="context lengths in tokens, each >= 256 (default: preset)")
     ap.add_argument("--rows", nargs="+", choices=POLICIES + (ANCHOR_ROW,),
@@ -605,6 +610,8 @@ def main(argv=None) -> int:
         if missing or not (args.artifacts / "target" / "tokenizer.json").is_file():
             ap.error(f"--artifacts {args.artifacts} must hold {', '.join(d + '/' for d in PAIR_DIRS)} with config.json "
                      f"and target/tokenizer.json (missing: {', '.join(missing) or 'target/tokenizer.json'})")
+    if args.out is None:
+        args.out = Path("fold-demo-out-real" if args.real else "fold-demo-out")
     try:
         check_writable(args.out)
     except OSError as exc:
@@ -657,7 +664,8 @@ def main(argv=None) -> int:
     print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "
           "prompt and repeat" + ("" if not bad else " -- FAILED: " + ", ".join(
               f"{r['task']}/{r['length']}/{r['policy']}" for r in bad)))
-    print(f"wrote {args.out / 'results.json'} and {args.out / 'tau_vs_length.png'}")
+    plot_note = f", {args.out / 'tau_vs_length.png'}" if any(r["task"] != "shift" for r in records) else ""
+    print(f"wrote {args.out / 'table.txt'} (the table above), {args.out / 'results.json'} (every record){plot_note}")
     return 1 if bad else 0
 
 
