@@ -95,13 +95,16 @@ ROPES = {
     "llama3": dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=512),
     "linear": dict(rope_type="linear", rope_theta=1e4, factor=2.0),
+    "dynamic": dict(rope_type="dynamic", rope_theta=1e4, factor=2.0),
+    "partial": dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
 }
 
 
 @pytest.mark.parametrize("rope", sorted(ROPES))
 def test_drafters_with_scaled_ropes_are_served_in_bf16(pairs, rope):
-    """A drafter whose config.json asks for YaRN / Llama-3 / linear scaling starts (the table checked at
-    bfloat16's precision) and reads as the reference with the Rope fold recovered."""
+    """A drafter whose config.json asks for YaRN / Llama-3 / linear / dynamic-NTK scaling or partial
+    rotary starts (the table checked at bfloat16's precision) and reads as the reference with the Rope
+    fold recovered."""
     drafter = make_drafter(pairs["root"] / f"drafter-{rope}", config_overrides=dict(rope_parameters=ROPES[rope]))
     block = fold.vllm.configure(drafter, pairs["root"] / f"drafter-{rope}-fold", read="fold", window=SMALL_W, alpha=2.0)
     _, calls, _, _ = served(lambda llm: run_recorded(llm, SHORT["prompts"], SHORT["max_tokens"]), pairs["plain"], block,
@@ -109,6 +112,7 @@ def test_drafters_with_scaled_ropes_are_served_in_bf16(pairs, rope):
     calls = drafting(calls)
     assert len(calls) >= 10 and _far_read(calls)
     assert calls[0]["rope"].attention_factor != 1.0 or rope != "yarn"
+    assert (calls[0]["rope"].rotary_dim == 32) == (rope == "partial")          # head_dim 64, half rotated
     for i, call in enumerate(calls):
         check_close(f"{rope} call {i}", call["out"], truth(call, True), truth(call, False), torch.bfloat16)
 
