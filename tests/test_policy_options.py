@@ -68,3 +68,12 @@ def test_generate_checks_the_options_before_any_forward(tmp_path, monkeypatch, p
     with pytest.raises(error) as info:
         spec.generate(target, drafter, torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, policy=policy, **options)
     assert words in str(info.value) and not calls
+
+
+def test_generate_documents_every_policy_option():
+    """generate's docstring names every option make_read takes (it once left one out)."""
+    from fold.spec import generate
+
+    doc = generate.__doc__
+    missing = [name for name in OPTIONS if f"``{name}``" not in doc]
+    assert missing == []

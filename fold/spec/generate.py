@@ -339,9 +339,10 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             with its length (a CPU) this trades unlikely drafts for time. Lossless: greedy output is
             unchanged, and at temperature > 0 the rule never looks at a drawn token. Chains only.
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
-            ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``training_length`` (ReRoPE, 4096),
-            ``infllm_block`` (128), ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4),
-            ``cmr_chunk`` (32), ``cmr_top`` (64), ``cmr_every`` (8).
+            ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``rope_theta`` (YaRN's base, None:
+            read off the drafter's inv_freq), ``training_length`` (ReRoPE, 4096), ``infllm_block`` (128),
+            ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4), ``cmr_chunk`` (32),
+            ``cmr_top`` (64), ``cmr_every`` (8); each policy's rules: ``fold.spec.policies.POLICIES``.
 
     Returns:
         :class:`GenerateResult`: ``sequences`` [batch, prompt + generated] right-padded with the

@@ -38,8 +38,11 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -251,7 +254,7 @@ def _check_request(request) -> None:
 
 
 def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **options) -> Read:
-    """The read of ``policy`` for one sequence (see the module docstring for each policy's rule).
+    """The read of ``policy`` for one sequence (:data:`POLICIES`; the module docstring has each rule).
 
     ``request`` = dict(prompt_len, max_new_tokens, block_size): YaRN's per-request factor needs it.
     ``options`` (checked by name and range before any work; defaults in :data:`OPTIONS`):
@@ -260,73 +263,80 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
     ``training_length`` (>= 2), ``infllm_block`` (>= 1), ``infllm_init`` (>= 0), ``infllm_topk``
     (>= 0), ``infllm_repr`` (>= 1), ``cmr_chunk``, ``cmr_top``, ``cmr_every`` (>= 1).
     """
-    if policy not in BUILT:
+    if policy not in POLICIES:
         raise ValueError(f"policy must be one of {BUILT}, got {policy!r}")
     if not isinstance(rope, fold.Rope):
         raise TypeError(f"rope must be a fold.Rope, got {type(rope).__name__}")
-    return _BUILDERS[policy](rope, validate_options(options), request)
+    o = validate_options(options)
+    entry = POLICIES[policy]
+    full = entry.full(rope, o, request)
+    sliding = None if entry.sliding is None else entry.sliding(rope, o, full)
+    return Read(full, None if sliding is None else (lambda q, k, v, layer, **kw: sliding(q, k, v, **kw)), rope=rope)
 
 
-def _fold(rope, o, request) -> Read:
-    window, alpha, backend = o["window"], float(o["alpha"]), o["backend"]
-    short = CachedPlainRead(rope)
+class FoldRead:
+    """FOLD on full-attention layers: ``fold.attention`` once anything is far, the plain read (each
+    context key rotated once, as an engine caches it) while the sequence fits in the window."""
 
-    def read(q, k, v, layer):
-        if k.shape[1] - q.shape[1] <= window:          # length dispatch: nothing is far yet
-            return short(q, k, v, layer)
-        return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, backend=backend)
+    def __init__(self, rope: fold.Rope, window: int, alpha: float, backend: str):
+        self.rope, self.window, self.alpha, self.backend = rope, window, alpha, backend
+        self.short = CachedPlainRead(rope)
 
-    def sliding(q, k, v, layer, *, sliding_window, causal):
-        return fold_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal, window=window,
-                                 alpha=alpha, backend=backend)
-    return Read(read, sliding, rope=rope)
+    def __call__(self, q, k, v, layer):
+        if k.shape[1] - q.shape[1] <= self.window:          # length dispatch: nothing is far yet
+            return self.short(q, k, v, layer)
+        return fold.attention(q, k, v, window=self.window, rope=self.rope, alpha=self.alpha, backend=self.backend)
 
 
-def _yarn(rope, o, request) -> Read:
+def _yarn(rope, o, request):
     _check_request(request)
     factor = yarn_factor(request["prompt_len"], request["max_new_tokens"], request["block_size"], o["reference_len"])
     if o["rope_theta"] is None and rope.inv_freq.numel() < 2:
         raise ValueError("yarn needs rope_theta=... for a rotary_dim of 2 (it cannot be read off inv_freq)")
     # inv_freq[i] = theta ** (-2i / rotary_dim), so theta = inv_freq[1] ** (-rotary_dim / 2)
     theta = o["rope_theta"] if o["rope_theta"] is not None else float(rope.inv_freq[1]) ** (-rope.rotary_dim / 2)
-    return Read(CachedPlainRead(yarn_rope(rope, factor, o["reference_len"], theta)), rope=rope)
+    return CachedPlainRead(yarn_rope(rope, factor, o["reference_len"], theta))
 
 
-def _rerope(rope, o, request) -> Read:
-    window, training_length, backend = o["window"], o["training_length"], o["backend"]
-
-    def sliding(q, k, v, layer, *, sliding_window, causal):
-        return rerope_sliding_read(q, k, v, rope=rope, sliding_window=sliding_window, causal=causal,
-                                   window=window, training_length=training_length, backend=backend)
-    return Read(lambda q, k, v, layer: rerope_read(q, k, v, rope=rope, window=window,
-                                                   training_length=training_length, backend=backend),
-                sliding, rope=rope)
-
-
-def _cmr(rope, o, request) -> Read:
-    cmr = CMRRead(rope, chunk=o["cmr_chunk"], top=o["cmr_top"], every=o["cmr_every"], backend=o["backend"])
-
-    def sliding(q, k, v, layer, *, sliding_window, causal):
+def _cmr_sliding(rope, o, cmr):
+    def read(q, k, v, *, sliding_window, causal):                   # the native read over CMR's selection
         n = k.shape[1] - q.shape[1]
         keep = torch.cat([cmr.entries(n).to(k.device), torch.arange(n, k.shape[1], device=k.device)])
         return sliding_state(q, k[:, keep], v[:, keep], rope=rope, sliding_window=sliding_window, causal=causal)[0]
-    return Read(cmr, sliding, rope=rope)
+    return read
 
 
-# policy name -> builder(rope, options with defaults, request) -> the sequence's Read
-_BUILDERS = {
-    "dflash": lambda rope, o, request: Read(CachedPlainRead(rope), rope=rope),
-    "window": lambda rope, o, request: Read(lambda q, k, v, layer: window_read(q, k, v, rope=rope, window=o["window"],
-                                                                               backend=o["backend"]), rope=rope),
-    "fold": _fold,
-    "streaming": lambda rope, o, request: Read(
-        lambda q, k, v, layer: streaming_read(q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"],
-                                              backend=o["backend"]), rope=rope),
-    "yarn": _yarn,
-    "rerope": _rerope,
-    "infllm": lambda rope, o, request: Read(InfLLMRead(rope, window=o["window"], block=o["infllm_block"],
-                                                       init=o["infllm_init"], topk=o["infllm_topk"],
-                                                       repr_topk=o["infllm_repr"]), rope=rope),
-    "cmr": _cmr,
+@dataclass(frozen=True)
+class Policy:
+    """A context policy: ``full(rope, options, request)`` is the read of full-attention layers for one
+    sequence, ``sliding(rope, options, full_read)`` the rule of its sliding-window layers (``None``:
+    their native read, :func:`sliding_state`)."""
+
+    full: Callable
+    sliding: Callable | None = None
+
+
+# Every policy, its read on full-attention layers and on sliding-window layers, in one place.
+POLICIES = {
+    "dflash": Policy(full=lambda rope, o, request: CachedPlainRead(rope)),
+    "window": Policy(full=lambda rope, o, request: lambda q, k, v, layer: window_read(
+        q, k, v, rope=rope, window=o["window"], backend=o["backend"])),
+    "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], float(o["alpha"]), o["backend"]),
+                   sliding=lambda rope, o, full: functools.partial(fold_sliding_read, rope=rope, window=o["window"],
+                                                                   alpha=float(o["alpha"]), backend=o["backend"])),
+    "streaming": Policy(full=lambda rope, o, request: lambda q, k, v, layer: streaming_read(
+        q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"], backend=o["backend"])),
+    "yarn": Policy(full=_yarn),
+    "rerope": Policy(full=lambda rope, o, request: lambda q, k, v, layer: rerope_read(
+        q, k, v, rope=rope, window=o["window"], training_length=o["training_length"], backend=o["backend"]),
+                     sliding=lambda rope, o, full: functools.partial(rerope_sliding_read, rope=rope, window=o["window"],
+                                                                     training_length=o["training_length"],
+                                                                     backend=o["backend"])),
+    "infllm": Policy(full=lambda rope, o, request: InfLLMRead(rope, window=o["window"], block=o["infllm_block"],
+                                                              init=o["infllm_init"], topk=o["infllm_topk"],
+                                                              repr_topk=o["infllm_repr"])),
+    "cmr": Policy(full=lambda rope, o, request: CMRRead(rope, chunk=o["cmr_chunk"], top=o["cmr_top"],
+                                                        every=o["cmr_every"], backend=o["backend"]),
+                  sliding=_cmr_sliding),
 }
-BUILT = tuple(_BUILDERS)
+BUILT = tuple(POLICIES)
