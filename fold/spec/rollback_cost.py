@@ -3,7 +3,7 @@
 Builds a random Qwen3.5-shaped target (Gated DeltaNet + full attention) and a Gemma-4-shaped one
 (sliding + full attention) from configs, at the widths of the paper's targets but with few layers,
 and times one verification round of ``--block`` tokens with its rollback: the verification forward,
-the state copy ``TargetSession.forward`` makes before it, and the rollback ``TargetSession.crop``
+the state copy ``TargetSession.verify`` makes before it, and the rollback ``TargetSession.commit``
 after it, for an all-rejected round (the longest replay: the anchor alone is kept) and a
 half-accepted one. Prints
 bytes per layer and milliseconds, and the per-sequence copy for the full-size models.
