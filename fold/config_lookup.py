@@ -259,7 +259,7 @@ def shared_bytes_estimate(block_m: int, block_n: int, num_stages: int, head_dim:
 
 def resident_ctas(tile: tuple[int, ...], head_dim: int, elt_bytes: int = 2) -> int:
     """Stage-1 CTAs of ``tile`` one SM holds at once: by shared memory, and by registers assuming
-    the kernel uses at most 255 per thread (checked by ``tests/test_kernel_static.py``)."""
+    the kernel uses at most 255 per thread (checked by ``tests/core/test_kernel_static.py``)."""
     block_m, block_n, num_warps, num_stages = tile
     by_registers = 65536 // (MAX_REGISTERS_PER_THREAD + 1) // (32 * num_warps)
     shared = shared_bytes_estimate(block_m, block_n, num_stages, head_dim, elt_bytes) + SHARED_RESERVED_PER_CTA

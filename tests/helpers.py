@@ -5,9 +5,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import settings
+from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import fold
+from fold.kernels.fold_attention import FoldConfig
 from reference import apply_rope, fold_attention_ref
 from reference.tolerance import check_close as assert_close  # noqa: F401 (re-exported for the tests)
 
@@ -133,3 +135,52 @@ class HostReads(TorchFunctionMode):
         if (func in self.SYNCS or masks) and not caller.startswith(("triton", "numpy")):
             self.calls.append((getattr(func, "__name__", str(func)), caller))
         return func(*args, **(kwargs or {}))
+
+
+def to_pages(x, seqlens, page_size, generator, spare=3):
+    """A contiguous cache ``x [B, max_len, H, d]`` as shuffled pages with garbage in every unused slot:
+    ``(pages [num_blocks, page_size, H, d], block_table [B, max_blocks] int32)``."""
+    batch, max_len = x.shape[:2]
+    max_blocks = -(-max_len // page_size)
+    num_blocks = batch * max_blocks + spare
+    pages = torch.randn(num_blocks, page_size, *x.shape[2:], generator=generator).to(x.dtype) * 1e3   # garbage
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.full((batch, max_blocks), -7, dtype=torch.int32)          # unused entries: garbage too
+    for b in range(batch):
+        used = -(-int(seqlens[b]) // page_size)
+        for p in range(used):
+            block = int(order[b * max_blocks + p])
+            table[b, p] = block
+            rows = x[b, p * page_size:min((p + 1) * page_size, int(seqlens[b]))]
+            pages[block, :len(rows)] = rows
+    return pages, table
+
+
+# hypothesis strategies shared by the attention tests
+@st.composite
+def cases(draw, dtypes, max_len_cap=2500):
+    n_q = draw(st.sampled_from([1, 4, 7, 10, 16]))
+    head_dim = draw(st.sampled_from([16, 32, 64, 128]))
+    rotary_dim = draw(st.one_of(st.just(head_dim), st.integers(1, head_dim // 2).map(lambda x: 2 * x)))
+    # mostly short caches (cheap in the interpreter), sometimes a few thousand entries
+    max_len = draw(st.one_of(st.integers(n_q, 160), st.integers(n_q, max_len_cap)))
+    batch = draw(st.integers(1, 3))
+    seqlens = draw(st.one_of(st.none(), st.lists(st.integers(n_q, max_len), min_size=batch, max_size=batch).map(tuple)))
+    length = max_len if seqlens is None else max(seqlens)
+    window = draw(st.one_of(st.integers(0, 48), st.integers(0, length + 8)))
+    # a sliding-window layer's rule now and then: its native window (>= n_q) as the local branch
+    sliding = draw(st.one_of(st.none(), st.none(), st.integers(n_q, n_q + 40), st.integers(n_q, length + 8)))
+    return Case(
+        batch=batch, n_q=n_q, heads_kv=draw(st.integers(1, 2)), group=draw(st.integers(1, 8)),
+        head_dim=head_dim, rotary_dim=rotary_dim, interleaved=draw(st.booleans()),
+        attention_factor=draw(st.sampled_from([1.0, 1.0, 1.25])), max_len=max_len, seqlens=seqlens,
+        window=window, alpha=draw(st.floats(1.0, 8.0)), keys_rotated=draw(st.booleans()),
+        queries_rotated=draw(st.booleans()),
+        far_position=draw(st.sampled_from(["shared", "shared", "fixed_distance", "none"])),
+        sliding_window=sliding, causal=draw(st.booleans() if sliding is not None else st.sampled_from([False] * 3 + [True])),
+        dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64, 128]), block_n=st.sampled_from([16, 32, 64, 128]),
+                    num_splits=st.sampled_from([1, 2, 3, 4, 8, 16, 128]), num_warps=st.just(4), num_stages=st.just(2))

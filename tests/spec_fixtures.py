@@ -219,3 +219,10 @@ def padded_batch(prompts, side="left"):
         cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
         ids[b, cols], mask[b, cols] = p, 1
     return ids, mask
+
+
+# small options for each built policy, shared by the loop and family tests
+OPTIONS = {"dflash": {}, "window": {"window": 8}, "fold": {"window": 8}, "streaming": {"sinks": 2, "recent": 10},
+           "yarn": {"reference_len": 32}, "rerope": {"window": 8, "training_length": 16},
+           "infllm": {"window": 8, "infllm_block": 4, "infllm_init": 4, "infllm_topk": 2, "infllm_repr": 2},
+           "cmr": {"cmr_chunk": 4, "cmr_top": 3, "cmr_every": 2}}

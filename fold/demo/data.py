@@ -370,7 +370,7 @@ def planted_retrieval_prompt(rng: random.Random, tokenizer, code: dict[str, str]
 # Each form is a document in which later text copies earlier text by content, as users' prompts do.
 # Values drawn from a lexicon come from the training lexicons below; the evaluation's values (the
 # planted-line cell's PLANT_WORDS, the held-out forms' names, places and tracking numbers) come from
-# lexicons and formats that no training form uses (tests/test_demo_forms.py checks both).
+# lexicons and formats that no training form uses (tests/demo/test_demo_forms.py checks both).
 
 TRAIN_WORDS = (
     "apple", "badge", "bamboo", "barley", "basket", "beacon", "blossom", "bottle", "breeze", "bridge", "bucket",

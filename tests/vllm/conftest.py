@@ -1,13 +1,14 @@
-"""The vLLM tests run in vLLM's own environment (README: "Serving with vLLM"); elsewhere they are not
-collected. The engines run in this process (one process, no thread pinning, a small cache), and
-fold's Triton kernels in Triton's interpreter, so a drafter block with ``"backend": "triton"`` runs
+"""The vLLM tests run in vLLM's own environment (README: "Serving with vLLM"); elsewhere only
+``test_config.py`` (the ``fold`` block's parsing, no vLLM import) is collected. The engines run in this
+process (one process, no thread pinning, a small cache), and fold's Triton kernels in Triton's interpreter, so a drafter block with ``"backend": "triton"`` runs
 inside the engine exactly the launches a GPU would."""
 
 import importlib.util
 import os
+from pathlib import Path
 
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore_glob = ["test_*.py"]
+    collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_config.py"]
 
 # set before vLLM reads its environment and before fold's kernels are imported
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

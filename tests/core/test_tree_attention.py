@@ -127,7 +127,7 @@ def test_triton_propagates_nan_in_valid_inputs_as_the_reference_does(where):
 
 @pytest.mark.parametrize("page_size", [1, 5, 16, 64])
 def test_triton_reads_a_paged_cache_as_the_contiguous_one(page_size):
-    from tests.test_engine_ops import to_pages
+    from tests.helpers import to_pages
 
     c = dict(batch=2, n_tree=5, mask=torch.stack([tree_mask([-1, 0, 0, 1, 2]), tree_mask([-1, 0, 1, 2, 3])]),
              heads_kv=2, group=2, head_dim=32, max_len=150, seqlens=[150, 23], dtype=torch.float32, seed=page_size)

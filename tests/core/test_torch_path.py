@@ -11,7 +11,7 @@ import fold._torch_backend as torch_backend
 from reference import apply_rope
 from reference.tolerance import check_close
 from tests.helpers import check_against_reference
-from tests.test_attention import cases
+from tests.helpers import cases
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

@@ -7,7 +7,7 @@ import pytest
 
 from tests.spec_fixtures import VOCAB, make_drafter, make_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 def _save_word_tokenizer(path):
@@ -139,7 +139,7 @@ def test_generate_example_prints_a_usage_error_before_importing_torch(tmp_path):
               "try:\n    runpy.run_path(%r, run_name='__main__')\n"
               "except SystemExit as e:\n    print('exit', e.code)\n"
               "print('heavy', sorted(m for m in ('torch', 'transformers', 'fold') if m in sys.modules))\n"
-              % str(Path(__file__).resolve().parents[1] / "examples" / "generate.py"))
+              % str(Path(__file__).resolve().parents[2] / "examples" / "generate.py"))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "the following arguments are required: --target, --drafter, --prompt-file" in done.stderr
     assert done.stdout.splitlines() == ["exit 2", "heavy []"]

@@ -17,7 +17,7 @@ from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
 from fold.spec import load_drafter
 from reference.tolerance import check_close
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 import drafter_init  # noqa: E402
 import train_drafter  # noqa: E402
 import train_target  # noqa: E402

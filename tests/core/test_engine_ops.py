@@ -9,28 +9,9 @@ from hypothesis import strategies as st
 import fold
 from fold.spec.tree import tree_mask
 from reference import tree_attention_ref
-from tests.helpers import Case, HostReads, assert_close, kwargs_of, make_inputs, reference_pair
+from tests.helpers import Case, HostReads, assert_close, kwargs_of, make_inputs, reference_pair, to_pages
 
 PAGED_BACKENDS = ["torch", "triton"]
-
-
-def to_pages(x, seqlens, page_size, generator, spare=3):
-    """A contiguous cache ``x [B, max_len, H, d]`` as shuffled pages with garbage in every unused slot:
-    ``(pages [num_blocks, page_size, H, d], block_table [B, max_blocks] int32)``."""
-    batch, max_len = x.shape[:2]
-    max_blocks = -(-max_len // page_size)
-    num_blocks = batch * max_blocks + spare
-    pages = torch.randn(num_blocks, page_size, *x.shape[2:], generator=generator).to(x.dtype) * 1e3   # garbage
-    order = torch.randperm(num_blocks, generator=generator)
-    table = torch.full((batch, max_blocks), -7, dtype=torch.int32)          # unused entries: garbage too
-    for b in range(batch):
-        used = -(-int(seqlens[b]) // page_size)
-        for p in range(used):
-            block = int(order[b * max_blocks + p])
-            table[b, p] = block
-            rows = x[b, p * page_size:min((p + 1) * page_size, int(seqlens[b]))]
-            pages[block, :len(rows)] = rows
-    return pages, table
 
 
 @st.composite

@@ -12,38 +12,8 @@ import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
 from reference import apply_rope, fold_attention_ref
-from tests.helpers import (INTERPRETED, Case, assert_close, check_against_reference, kwargs_of, make_inputs,
-                           reference_pair, rope_of)
-from tests.test_engine_ops import to_pages
-
-
-@st.composite
-def cases(draw, dtypes, max_len_cap=2500):
-    n_q = draw(st.sampled_from([1, 4, 7, 10, 16]))
-    head_dim = draw(st.sampled_from([16, 32, 64, 128]))
-    rotary_dim = draw(st.one_of(st.just(head_dim), st.integers(1, head_dim // 2).map(lambda x: 2 * x)))
-    # mostly short caches (cheap in the interpreter), sometimes a few thousand entries
-    max_len = draw(st.one_of(st.integers(n_q, 160), st.integers(n_q, max_len_cap)))
-    batch = draw(st.integers(1, 3))
-    seqlens = draw(st.one_of(st.none(), st.lists(st.integers(n_q, max_len), min_size=batch, max_size=batch).map(tuple)))
-    length = max_len if seqlens is None else max(seqlens)
-    window = draw(st.one_of(st.integers(0, 48), st.integers(0, length + 8)))
-    # a sliding-window layer's rule now and then: its native window (>= n_q) as the local branch
-    sliding = draw(st.one_of(st.none(), st.none(), st.integers(n_q, n_q + 40), st.integers(n_q, length + 8)))
-    return Case(
-        batch=batch, n_q=n_q, heads_kv=draw(st.integers(1, 2)), group=draw(st.integers(1, 8)),
-        head_dim=head_dim, rotary_dim=rotary_dim, interleaved=draw(st.booleans()),
-        attention_factor=draw(st.sampled_from([1.0, 1.0, 1.25])), max_len=max_len, seqlens=seqlens,
-        window=window, alpha=draw(st.floats(1.0, 8.0)), keys_rotated=draw(st.booleans()),
-        queries_rotated=draw(st.booleans()),
-        far_position=draw(st.sampled_from(["shared", "shared", "fixed_distance", "none"])),
-        sliding_window=sliding, causal=draw(st.booleans() if sliding is not None else st.sampled_from([False] * 3 + [True])),
-        dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
-    )
-
-
-configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64, 128]), block_n=st.sampled_from([16, 32, 64, 128]),
-                    num_splits=st.sampled_from([1, 2, 3, 4, 8, 16, 128]), num_warps=st.just(4), num_stages=st.just(2))
+from tests.helpers import (INTERPRETED, Case, assert_close, cases, check_against_reference, configs, kwargs_of,
+                           make_inputs, reference_pair, rope_of, to_pages)
 
 
 @INTERPRETED

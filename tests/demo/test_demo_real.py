@@ -12,7 +12,7 @@ import torch
 
 from fold.demo import cli, data, real
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
 HAVE_TARGET = real.is_converted(real.default_target_dir())
 needs_target = pytest.mark.skipif(not HAVE_TARGET, reason="the real target is not converted here "

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 import inspect_real_features as inspect_features  # noqa: E402
 
 

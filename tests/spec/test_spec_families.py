@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from fold import spec
 from fold.spec.policies import BUILT, make_read
 from reference.tolerance import check_close
-from tests.spec_fixtures import DRAFTER_WINDOW, TARGET_WINDOW, greedy_ar, make_drafter, make_target, padded_batch
-from tests.test_spec_loop import OPTIONS
+from tests.spec_fixtures import (DRAFTER_WINDOW, OPTIONS, TARGET_WINDOW, greedy_ar, make_drafter, make_target,
+                                 padded_batch)
 
 FAMILIES = ["qwen3_5", "gemma4", "gemma4_shared"]
 FORMATS = ["zlab-swa", "zlab-gemma", "dspark", "gemma4-dflash", "gemma4-dspark"]

@@ -5,7 +5,7 @@ import torch
 
 from fold import spec
 from fold.spec.policies import BUILT
-from tests.spec_fixtures import greedy_ar, make_drafter, make_target, padded_batch
+from tests.spec_fixtures import OPTIONS, greedy_ar, make_drafter, make_target, padded_batch
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -19,10 +19,6 @@ def drafter(request, target, tmp_path_factory):
 
 
 # options that put every policy on its long-context path for 17-40-token prompts
-OPTIONS = {"dflash": {}, "window": {"window": 8}, "fold": {"window": 8}, "streaming": {"sinks": 2, "recent": 10},
-           "yarn": {"reference_len": 32}, "rerope": {"window": 8, "training_length": 16},
-           "infllm": {"window": 8, "infllm_block": 4, "infllm_init": 4, "infllm_topk": 2, "infllm_repr": 2},
-           "cmr": {"cmr_chunk": 4, "cmr_top": 3, "cmr_every": 2}}
 
 
 def _prompts(lengths, seed=0):

@@ -14,7 +14,7 @@ import transformers
 
 from fold.demo import data, real
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
 NEUTRAL = ("parser", "token", "buffer", "value", "method", "object", "returns", "reads", "writes", "calls", "list",
