@@ -1,0 +1,122 @@
+"""fold's vLLM backend with ``"far_budget"``: the per-layer far-page bounds kept beside the paged cache
+(updated as the DFlash context precompute writes, at its positions), and the budgeted read over them."""
+
+import pytest
+import torch
+
+from fold import far_pages
+from fold.vllm.backend import FoldMetadataBuilder, cache_pages
+from fold.vllm.config import ServeRead
+from tests.helpers import HostReads
+from tests.vllm.test_backend import BLOCKS, D, HKV, PAGE, ROPE, _batch, _empty_cache, _impl, _layer, _slots
+
+LENGTHS = [37, 60, 4]
+
+
+def _precompute(impl, layer, kv_cache, keys, values, table):
+    """The context written as vLLM's DFlash precompute writes it: do_kv_cache_update with the positions
+    handed over (``context_positions``), padding slots included."""
+    slots = _slots(table, [len(k) for k in keys])
+    positions = torch.cat([torch.arange(len(k)) for k in keys])
+    pad = torch.full((5,), -1, dtype=torch.int64)
+    impl.context_positions = torch.cat([positions, torch.zeros(5, dtype=torch.int64)])
+    try:
+        impl.do_kv_cache_update(layer, torch.cat([torch.cat(keys), torch.cat(keys)[:5]]),
+                                torch.cat([torch.cat(values), torch.cat(values)[:5]]), kv_cache,
+                                torch.cat([slots, pad]))
+    finally:
+        impl.context_positions = None
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_bounds_kept_on_writes_equal_the_bounds_built_from_the_cache(cache_dtype):
+    """The bounds do_kv_cache_update keeps, [num_blocks, Hkv, 2, d] float32 by physical block, equal
+    fold.far_pages.page_bounds over the pages as stored (un-rotated, dequantized) on every used block."""
+    q, keys, values, cad = _batch(LENGTHS, 4)
+    impl, layer = _impl(ServeRead("fold", 8, 2.0, far_budget=2 * PAGE), cache_dtype), _layer(0.5, 2.0)
+    kv_cache = _empty_cache(cache_dtype)
+    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    k_pages, _ = cache_pages(kv_cache, D, impl.cache_dtype)
+    want = far_pages.page_bounds(k_pages, PAGE, cache_seqlens=torch.tensor(LENGTHS),
+                                 block_table=cad.block_table_tensor, keys_rotated=True, rope=ROPE,
+                                 k_scale=impl.scales(layer)[0])
+    used = torch.cat([cad.block_table_tensor[b, :-(-n // PAGE)] for b, n in enumerate(LENGTHS)]).long()
+    got = impl.far_bounds
+    assert got.shape == (BLOCKS, HKV, 2, D) and got.dtype == torch.float32
+    torch.testing.assert_close(got[used], want[used], rtol=1e-5, atol=1e-5)
+    unused = torch.ones(BLOCKS, dtype=torch.bool)
+    unused[used] = False
+    assert (got[unused][:, :, 0] == float("-inf")).all() and (got[unused][:, :, 1] == float("inf")).all()
+
+
+def test_the_drafting_forward_leaves_the_bounds_alone():
+    """The block's rows (no positions handed over) are not folded in: never far in the round that
+    writes them, and the precompute rewrites each committed one."""
+    q, keys, values, cad = _batch(LENGTHS, 4)
+    impl, layer = _impl(ServeRead("fold", 8, 2.0, far_budget=2 * PAGE)), _layer()
+    kv_cache = _empty_cache("auto")
+    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    before = impl.far_bounds.clone()
+    impl.do_kv_cache_update(layer, torch.randn(4, HKV, D) * 100, torch.randn(4, HKV, D), kv_cache,
+                            _slots(cad.block_table_tensor, [60])[-4:])
+    assert torch.equal(impl.far_bounds, before)
+
+
+def _forward(read, sliding=None):
+    q, keys, values, cad = _batch(LENGTHS, 4)
+    impl, layer = _impl(read, sliding=sliding, causal=sliding is not None), _layer()
+    kv_cache = _empty_cache("auto")
+    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
+    output = torch.full_like(q, float("nan"))
+    impl.forward(layer, q, None, None, kv_cache, meta, output)
+    return output, impl, q, kv_cache, cad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("sliding", [None, 20])
+def test_a_budget_covering_every_page_reads_as_fold(backend, sliding):
+    full, *_ = _forward(ServeRead("fold", 8, 2.0, backend=backend), sliding)
+    covered, *_ = _forward(ServeRead("fold", 8, 2.0, backend=backend, far_budget=BLOCKS * PAGE), sliding)
+    assert torch.isfinite(covered).all()
+    torch.testing.assert_close(covered, full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_budgeted_read_is_fold_attention_over_the_kept_bounds(backend):
+    """forward() with a 2-page budget is fold.attention(far_budget=, far_page=block size, far_bounds=)
+    over the pages, the block table and the bounds built from scratch."""
+    import fold
+
+    read = ServeRead("fold", 8, 2.0, backend=backend, far_budget=2 * PAGE)
+    output, impl, q, kv_cache, cad = _forward(read)
+    k_pages, v_pages = cache_pages(kv_cache, D)
+    bounds = far_pages.page_bounds(k_pages, PAGE, cache_seqlens=torch.tensor(LENGTHS),
+                                   block_table=cad.block_table_tensor, keys_rotated=True, rope=ROPE)
+    want = fold.attention(q.view(3, 4, *q.shape[1:]), k_pages, v_pages, window=8, rope=ROPE, alpha=2.0,
+                          cache_seqlens=cad.seq_lens, block_table=cad.block_table_tensor, keys_rotated=True,
+                          queries_rotated=True, softmax_scale=D ** -0.5, far_budget=2 * PAGE, far_page=PAGE,
+                          far_bounds=bounds, backend=backend)
+    torch.testing.assert_close(output, want.flatten(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_budgeted_drafting_step_reads_nothing_on_the_host():
+    """Page writes, bounds update and forward with the kernels' path: no host read (V2's graphs)."""
+    q, keys, values, cad = _batch([37, 50], 4)
+    impl, layer = _impl(ServeRead("fold", 8, 2.0, backend="triton", far_budget=2 * PAGE)), _layer()
+    kv_cache = _empty_cache("auto")
+    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    cad.slot_mapping = _slots(cad.block_table_tensor, [37, 50])[[33, 34, 35, 36, 83, 84, 85, 86]]
+    output = torch.zeros_like(q)
+    with HostReads() as reads:
+        impl.context_positions = torch.arange(8)                    # the precompute's path too
+        meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
+        impl.do_kv_cache_update(layer, torch.randn(8, HKV, D), torch.randn(8, HKV, D), kv_cache, meta.slot_mapping)
+        impl.context_positions = None
+        impl.forward(layer, q, None, None, kv_cache, meta, output)
+    assert reads.calls == [] and torch.isfinite(output).all()
+
+
+def test_far_page_other_than_the_block_size_is_refused():
+    with pytest.raises(ValueError, match="fold.far_page must equal the drafter cache's block size 16"):
+        _forward(ServeRead("fold", 8, 2.0, far_budget=64, far_page=32))
