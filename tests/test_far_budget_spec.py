@@ -127,3 +127,43 @@ def test_the_budgeted_read_is_fold_attention_with_the_kept_bounds():
     bounds = far_pages.page_bounds(k, P, cache_seqlens=torch.tensor([40]))
     want = fold.attention(q, k, v, window=8, rope=rope, alpha=2.0, far_budget=8, far_page=P, far_bounds=bounds)
     assert torch.equal(read(q, k, v, 0), want)
+
+
+@pytest.fixture(scope="module")
+def swa_drafter(pair, tmp_path_factory):
+    target, _ = pair
+    return spec.load_drafter(make_drafter(tmp_path_factory.mktemp("zlab-swa"), target, "zlab-swa"), target)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_lossless_with_a_budget_on_a_drafter_with_sliding_layers(pair, swa_drafter, batch):
+    """A sliding-window layer's far read is budgeted too (same kept bounds): still lossless."""
+    target, _ = pair
+    prompts = _prompts([50, 33][:batch], seed=5)
+    ids, mask = padded_batch(prompts, "left")
+    result = spec.generate(target, swa_drafter, ids, attention_mask=mask, max_new_tokens=16, window=8, far_budget=8,
+                           far_page=P)
+    for b, p in enumerate(prompts):
+        want = greedy_ar(target, p, 16)
+        assert torch.equal(result.sequences[b, :len(want)], want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_sliding_read_is_budgeted_with_the_layers_bounds(causal):
+    """read.sliding with a budget is fold.attention(sliding_window=, far_budget=, far_bounds=) over bounds
+    built from scratch; with a budget covering the far memory it is the unbudgeted sliding read."""
+    from fold.spec.policies import fold_sliding_read, make_read
+
+    rope = fold.Rope.from_theta(1e4, D)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 4, D, generator=g)
+    k, v = torch.randn(1, 44, HKV, D, generator=g), torch.randn(1, 44, HKV, D, generator=g)
+    request = dict(prompt_len=40, max_new_tokens=4, block_size=4)
+    read = make_read("fold", rope, request=request, window=8, far_budget=8, far_page=P)
+    bounds = far_pages.page_bounds(k, P, cache_seqlens=torch.tensor([40]))
+    want = fold.attention(q, k, v, window=8, rope=rope, alpha=2.0, sliding_window=6, causal=causal, far_budget=8,
+                          far_page=P, far_bounds=bounds)
+    assert torch.equal(read.sliding(q, k, v, 0, sliding_window=6, causal=causal), want)
+    covered = make_read("fold", rope, request=request, window=8, far_budget=64, far_page=P)
+    full = fold_sliding_read(q, k, v, rope=rope, sliding_window=6, causal=causal, window=8, alpha=2.0)
+    assert torch.equal(covered.sliding(q, k, v, 0, sliding_window=6, causal=causal), full)

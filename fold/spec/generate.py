@@ -341,8 +341,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
         **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``far_budget``
             (None: ``fold`` reads every far entry; an int N: its far branch reads at most ``N // far_page``
             pages, chosen per sequence and KV head by per-page key bounds the drafter's cache keeps as it
-            grows; ``fold`` only, full-attention layers only: a sliding-window layer reads every far entry;
-            N must hold the pages a block straddles, ``N // far_page >= ceil((block_size - 1) / far_page) + 1``;
+            grows, on full and sliding-window layers alike; ``fold`` only; N must hold the pages a block straddles, ``N // far_page >= ceil((block_size - 1) / far_page) + 1``;
             with N at least the far memory's size the drafts equal ``fold``'s without a budget),
             ``far_page`` (64, entries per far page), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``rope_theta`` (YaRN's base, None:

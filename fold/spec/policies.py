@@ -30,8 +30,9 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
   native window (``j <= p - Ws``) is far memory, read at the shared far position of the full
   layers (distance ``D + r``, ``D = window + n_q``) with ``alpha``; the two merge by their masses
   as in Eq. 4 (:func:`fold_sliding_read`: ``fold.attention`` with the layer's ``sliding_window``
-  and causality, the same op the full layers and the vLLM backend call). With ``far_budget`` the
-  budget applies to the full-attention layers; a sliding layer reads every far entry.
+  and causality, the same op the full layers and the vLLM backend call). With ``far_budget`` a
+  sliding layer's far read is budgeted too (its far memory is what lies outside its native window,
+  selected with the same kept page bounds of that layer's cache).
 - ``rerope``: the same split, the older entries at distance ``D`` from every row, one softmax,
   queries scaled as in the full layers.
 - ``cmr``: the native read over CMR's selection, renumbered (every layer reads the selection).
@@ -39,7 +40,6 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -150,13 +150,14 @@ def sliding_state(q, k, v, *, rope, sliding_window, causal, backend="auto"):
                           causal=causal, return_lse=True, backend=backend)
 
 
-def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto"):
+def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto", **far_budget):
     """FOLD on a sliding-window layer: its native window is the local branch, and every context
     entry outside it is far memory at distance ``D + r`` (``D = window + n_q``), read with
     ``alpha`` and merged by the masses ``Z_N``, ``Z_F = (sum exp(alpha f)) ** (1 / alpha)`` (Eq. 4):
-    ``fold.attention`` with the layer's ``sliding_window`` and causality."""
+    ``fold.attention`` with the layer's ``sliding_window`` and causality (``far_budget``,
+    ``far_page``, ``far_bounds`` passed on when given)."""
     return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, sliding_window=sliding_window,
-                          causal=causal, backend=backend)
+                          causal=causal, backend=backend, **far_budget)
 
 
 def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, training_length=4096, backend="auto"):
@@ -294,8 +295,7 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
         _check_far_budget(policy, o, request)
     entry = POLICIES[policy]
     full = entry.full(rope, o, request)
-    sliding = None if entry.sliding is None else entry.sliding(rope, o, full)
-    return Read(full, None if sliding is None else (lambda q, k, v, layer, **kw: sliding(q, k, v, **kw)), rope=rope)
+    return Read(full, None if entry.sliding is None else entry.sliding(rope, o, full), rope=rope)
 
 
 class PageBounds:
@@ -371,14 +371,25 @@ class FoldRead:
         self.short = CachedPlainRead(rope)
         self.page_bounds = None if far_budget is None else PageBounds(far_page)
 
+    def budget(self, k, n: int, layer: int) -> dict:
+        """``fold.attention``'s far-budget arguments for layer ``layer``'s cache ``k`` (``n`` committed)."""
+        if self.far_budget is None:
+            return {}
+        return dict(far_budget=self.far_budget, far_page=self.far_page,
+                    far_bounds=self.page_bounds.bounds(layer, k, n))
+
     def __call__(self, q, k, v, layer):
         n = k.shape[1] - q.shape[1]
         if n <= self.window:                                # length dispatch: nothing is far yet
             return self.short(q, k, v, layer)
-        budget = {} if self.far_budget is None else dict(
-            far_budget=self.far_budget, far_page=self.far_page, far_bounds=self.page_bounds.bounds(layer, k, n))
         return fold.attention(q, k, v, window=self.window, rope=self.rope, alpha=self.alpha, backend=self.backend,
-                              **budget)
+                              **self.budget(k, n, layer))
+
+    def sliding(self, q, k, v, layer, *, sliding_window, causal):
+        """A sliding-window layer's FOLD read (:func:`fold_sliding_read`), budgeted like the full layers."""
+        return fold_sliding_read(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal,
+                                 window=self.window, alpha=self.alpha, backend=self.backend,
+                                 **self.budget(k, k.shape[1] - q.shape[1], layer))
 
 
 def _yarn(rope, o, request):
@@ -392,7 +403,7 @@ def _yarn(rope, o, request):
 
 
 def _cmr_sliding(rope, o, cmr):
-    def read(q, k, v, *, sliding_window, causal):                   # the native read over CMR's selection
+    def read(q, k, v, layer, *, sliding_window, causal):            # the native read over CMR's selection
         n = k.shape[1] - q.shape[1]
         keep = torch.cat([cmr.entries(n).to(k.device), torch.arange(n, k.shape[1], device=k.device)])
         return sliding_state(q, k[:, keep], v[:, keep], rope=rope, sliding_window=sliding_window, causal=causal)[0]
@@ -402,8 +413,9 @@ def _cmr_sliding(rope, o, cmr):
 @dataclass(frozen=True)
 class Policy:
     """A context policy: ``full(rope, options, request)`` is the read of full-attention layers for one
-    sequence, ``sliding(rope, options, full_read)`` the rule of its sliding-window layers (``None``:
-    their native read, :func:`sliding_state`)."""
+    sequence, ``sliding(rope, options, full_read)`` the rule of its sliding-window layers, a
+    ``read(q, k, v, layer, *, sliding_window, causal)`` (``None``: their native read,
+    :func:`sliding_state`)."""
 
     full: Callable
     sliding: Callable | None = None
@@ -416,16 +428,15 @@ POLICIES = {
         q, k, v, rope=rope, window=o["window"], backend=o["backend"])),
     "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], float(o["alpha"]), o["backend"],
                                                           o["far_budget"], o["far_page"]),
-                   sliding=lambda rope, o, full: functools.partial(fold_sliding_read, rope=rope, window=o["window"],
-                                                                   alpha=float(o["alpha"]), backend=o["backend"])),
+                   sliding=lambda rope, o, full: full.sliding),
     "streaming": Policy(full=lambda rope, o, request: lambda q, k, v, layer: streaming_read(
         q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"], backend=o["backend"])),
     "yarn": Policy(full=_yarn),
     "rerope": Policy(full=lambda rope, o, request: lambda q, k, v, layer: rerope_read(
         q, k, v, rope=rope, window=o["window"], training_length=o["training_length"], backend=o["backend"]),
-                     sliding=lambda rope, o, full: functools.partial(rerope_sliding_read, rope=rope, window=o["window"],
-                                                                     training_length=o["training_length"],
-                                                                     backend=o["backend"])),
+                     sliding=lambda rope, o, full: lambda q, k, v, layer, **kw: rerope_sliding_read(
+                         q, k, v, rope=rope, window=o["window"], training_length=o["training_length"],
+                         backend=o["backend"], **kw)),
     "infllm": Policy(full=lambda rope, o, request: InfLLMRead(rope, window=o["window"], block=o["infllm_block"],
                                                               init=o["infllm_init"], topk=o["infllm_topk"],
                                                               repr_topk=o["infllm_repr"])),
