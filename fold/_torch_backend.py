@@ -55,6 +55,14 @@ class _Cache:
         pages, slots = self.table[j // self.page], j % self.page
         return self.k[pages, slots], self.v[pages, slots]
 
+    def take_heads(self, j: torch.Tensor):
+        """Entries at the positions ``j [Hkv, N]``, each KV head its own, as ``[Hkv, N, d]`` each."""
+        head = torch.arange(j.shape[0], device=j.device)[:, None]
+        if not self.paged:
+            return self.k[j, head], self.v[j, head]
+        pages, slots = self.table[j // self.page], j % self.page
+        return self.k[pages, slots, head], self.v[pages, slots, head]
+
     def as_stored(self, dtype) -> bool:
         """Whole segments can be read in place: contiguous, in ``dtype``, unit stride on the last dim."""
         return (not self.paged and self.k.dtype == dtype and self.k.stride(-1) == 1 and self.v.stride(-1) == 1)
@@ -112,6 +120,27 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
     return state
 
 
+def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, read_dtype, rope=None):
+    """Attention of ``q [Hkv, M, d]`` (work dtype) over the entries of ``pages [Hkv, K]`` (page t = entries
+    ``[t P, (t + 1) P)``, every entry valid, below ``end`` and seen by every row; each KV head its own), read
+    :data:`CHUNK_BYTES` of keys at a time; with ``rope`` each key is first un-rotated by its position.
+    Keys and values are read in ``read_dtype``. Returns ``(o, lse)`` in q's dtype."""
+    heads_kv, head_dim = cache.k.shape[-2], cache.k.shape[-1]
+    per_step = max(1, CHUNK_BYTES // (heads_kv * head_dim * 4 * far_page))                # pages per chunk
+    q_in = q.to(read_dtype)
+    offsets = torch.arange(far_page, device=q.device)
+    state = None
+    for p0 in range(0, pages.shape[1], per_step):
+        j = (pages[:, p0:p0 + per_step, None].long() * far_page + offsets).flatten(1)     # [Hkv, N]
+        k, v = cache.take_heads(j)                                                          # [Hkv, N, d]
+        if rope is not None:                    # R_{-j} of each key: the kept tables of j, gathered
+            cos, sin = rope.cos_sin(0, end, dtype=q.dtype, device=q.device)
+            k = rotate_with(k.to(q.dtype), cos[j], sin[j], rope, inverse=True)
+        o, lse = _fused_read(q_in, k.to(read_dtype).contiguous(), v.to(read_dtype).contiguous(), scale)
+        state = merge_into(state, o.to(q.dtype), lse.to(q.dtype))
+    return state
+
+
 def _rotate_rows(qm, start, rope, factor, per_row=True):
     """``qm [Hkv, n_q, group, d]`` (work dtype) rotated at ``start + r`` for row r (``start`` for every
     row without ``per_row``) with ``factor`` -> ``[Hkv, n_q * group, d]``; tables from :meth:`Rope.cos_sin`."""
@@ -135,7 +164,7 @@ def _unpack(x, n):
 
 def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
                          block_table=None, far_per_row=True, queries_rotated=False, read_far=True,
-                         sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0):
+                         sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0):
     """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
 
     ``k, v`` are ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, page_size, Hkv, d]`` with
@@ -144,7 +173,10 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
     (ReRoPE's rule); ``read_far=False`` reads the local branch alone. ``sliding_window`` (``Ws``):
     the local branch is ``p - j < Ws`` instead of ``p - j < D``; ``causal``: row r does not see the
     block's entries after its own. ``queries_rotated``: ``q`` holds ``R_{n+r} q``; the window reads it
-    as it is and the far branch turns it on by the difference of the two positions.
+    as it is and the far branch turns it on by the difference of the two positions. ``far_pages
+    [B, Hkv, K]`` (int32, ascending, -1 padded; :func:`fold.far_pages.select_pages`): a budgeted far read
+    of those pages of ``far_page`` entries; a sequence whose far memory has at most K pages reads it all,
+    by the full read's code (so exactly FOLD).
 
     Per sequence (``span = Ws`` or ``D``, ``win_lo = n - span + 1``, ``far_hi = win_lo + n_q - 1``)::
 
@@ -152,6 +184,11 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         [win_lo, far_hi)   n_q - 1 mixed entries        -> explicit logits under a per-row mask, both branches
         [far_hi, n)        local for every row          -> fused reads at exact positions
         [n, L)             the block (causal: per row)  -> explicit logits, with the mixed entries
+
+    With a budget (``P = far_page``, ``s0 = win_lo // P``): the pages below ``s0`` are the candidates,
+    and the first ``min(K - straddlers, s0)`` listed pages of each KV head are those selected (the list is
+    ascending; the straddling pages ``s0 ..`` are always in it): gathered per head, then ``[s0 P, win_lo)``
+    and the mixed entries as above.
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -199,7 +236,17 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         win = merge_pair(*_read(q_win, cache, c, n, scale, q.dtype, *(() if keys_rotated else (rope, False))),
                          *masked_attention(q_win, k_local, ve, local, scale))
         if read_far and c > 0:
-            far = _read(q_far, cache, 0, a, alpha * scale, q.dtype, *((rope, True) if keys_rotated else ()))
+            far_rope = (rope, True) if keys_rotated else ()
+            if far_pages is not None and -(-c // far_page) > far_pages.shape[-1]:          # the budget binds
+                s0 = a // far_page
+                chosen = min(far_pages.shape[-1] - (-(-c // far_page) - s0), s0)           # candidates read
+                far = _read(q_far, cache, s0 * far_page, a, alpha * scale, q.dtype, *far_rope)
+                if chosen:
+                    picked = _read_pages(q_far, cache, far_pages[b, :, :chosen], far_page, s0 * far_page,
+                                         alpha * scale, q.dtype, rope if keys_rotated else None)
+                    far = merge_pair(*far, *picked)
+            else:
+                far = _read(q_far, cache, 0, a, alpha * scale, q.dtype, *far_rope)
             if c > a:                                                                # the mixed entries' far part
                 k_far = rotate(ke, -j, rope, factor=1.0) if keys_rotated else ke
                 far = merge_pair(*far, *masked_attention(q_far, k_far, ve, behind >= span, alpha * scale))

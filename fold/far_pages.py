@@ -287,8 +287,8 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
         scores[:, :, t0:t1] = torch.where(empty, float("-inf"), s)
     lengths = (torch.full((batch,), max_len, device=q.device) if cache_seqlens is None
                else cache_seqlens.to(q.device)).long()
-    win_lo = lengths - n_q - span + 1                                                     # [B] row 0's first local
-    far_hi = win_lo + n_q - 1                                                             # entries < far_hi: far for some row
+    win_lo = lengths - n_q - span + 1                 # [B] entries < win_lo are far for every row
+    far_hi = win_lo + n_q - 1                         # entries < far_hi are far for some row
     t = torch.arange(num_pages, device=q.device)
     candidate = ((t[None, :] + 1) * far_page <= win_lo[:, None])[:, None, :]              # [B, 1, T]
     straddler = ((t[None, :] * far_page < far_hi[:, None])[:, None, :]) & ~candidate
