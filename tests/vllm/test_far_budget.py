@@ -120,3 +120,85 @@ def test_a_budgeted_drafting_step_reads_nothing_on_the_host():
 def test_far_page_other_than_the_block_size_is_refused():
     with pytest.raises(ValueError, match="fold.far_page must equal the drafter cache's block size 16"):
         _forward(ServeRead("fold", 8, 2.0, far_budget=64, far_page=32))
+
+
+# -- in the engine ---------------------------------------------------------------------------------------
+
+def _keep_with_bounds(impl, args, kwargs, output):
+    from tests.vllm.engine import keep_attention
+
+    call = keep_attention(impl, args, kwargs, output)
+    if call is not None:
+        call["bounds"] = None if impl.far_bounds is None else impl.far_bounds.clone()
+    return call
+
+
+def _run_with_bounds(llm, prompts, max_tokens):
+    from fold.vllm.backend import FoldAttentionImpl
+    from tests.vllm.engine import Recorder, compat, generate
+
+    with Recorder(FoldAttentionImpl, "forward", _keep_with_bounds) as rec, \
+            Recorder(compat.DFlashProposer, "propose", lambda obj, a, kw, r: r.clone()) as drafts:
+        out = generate(llm, prompts, max_tokens)
+    return out, [c for c in rec.calls if c is not None], drafts.calls
+
+
+@pytest.fixture(scope="module")
+def budgeted(pairs):
+    """The engine with a fold drafter whose far read is budgeted to 2 pages of 32 (the cache's blocks),
+    and with a budget past max_model_len (every page read)."""
+    from tests.vllm.engine import MAX_TOKENS, PROMPTS, SMALL_W, configured, served
+
+    runs = {}
+    for name, budget in (("budget", 64), ("covering", 4096), ("fold", None)):
+        drafter = configured(pairs, f"drafter-{name}", read="fold", window=SMALL_W, alpha=2.0, far_budget=budget)
+        runs[name] = served(lambda llm: _run_with_bounds(llm, PROMPTS, MAX_TOKENS), pairs["plain"], drafter)
+    return runs
+
+
+def test_a_budgeted_drafter_is_lossless_in_the_engine(budgeted, target_greedy):
+    from tests.vllm.engine import K, SMALL_W, drafting
+
+    out, calls, _ = budgeted["budget"]
+    assert out == target_greedy[0]
+    calls = drafting(calls)
+    # the budget bites: far memory (entries far for row 0) beyond the 2 pages read
+    assert any(n - 2 * (K + 1) - SMALL_W > 64 for c in calls for n in c["seq_lens"])
+
+
+def test_a_covering_budget_drafts_what_fold_drafts_in_the_engine(budgeted):
+    out, _, drafts = budgeted["covering"]
+    fold_out, _, fold_drafts = budgeted["fold"]
+    assert out == fold_out and len(drafts) == len(fold_drafts)
+    assert all(torch.equal(a, b) for a, b in zip(drafts, fold_drafts))
+
+
+def test_the_engines_kept_bounds_bound_every_far_page_and_the_read_follows_them(budgeted):
+    """On every drafting call the kept bounds (by physical block) hold each fully far page's un-rotated
+    keys (exact or looser), and the engine's output is the reference's budgeted read over those bounds."""
+    from reference import fold_attention_ref
+    from reference.tolerance import check_close
+    from tests.vllm.engine import drafting
+
+    _, calls, _ = budgeted["budget"]
+    calls = drafting(calls)
+    assert calls and all(c["bounds"] is not None for c in calls)
+    for i, call in enumerate(calls):
+        read, n_q, page = call["read"], call["n_q"], 32
+        k = torch.nan_to_num(call["k"])
+        exact = far_pages.page_bounds(k, page, cache_seqlens=torch.tensor(call["seq_lens"]), keys_rotated=True,
+                                      rope=call["rope"])
+        kept = torch.stack([far_pages.empty_bounds(exact.shape[1], *exact.shape[2:3], exact.shape[-1])
+                            for _ in call["seq_lens"]])
+        for b, (length, table) in enumerate(zip(call["seq_lens"], call["tables"])):
+            kept[b, :len(table)] = call["bounds"][torch.tensor(table)]
+            far_pages_full = max(0, (length - n_q - (read.window + n_q) + 1) // page)   # fully far for every row
+            got, want = kept[b, :far_pages_full], exact[b, :far_pages_full]
+            assert (got[..., 0, :] >= want[..., 0, :] - 1e-5).all() and (got[..., 1, :] <= want[..., 1, :] + 1e-5).all()
+        q = call["q"].view(-1, n_q, *call["q"].shape[1:])
+        kw = dict(window=read.window, rope=call["rope"], alpha=read.alpha, cache_seqlens=call["seq_lens"],
+                  keys_rotated=True, queries_rotated=True, softmax_scale=call["scale"], far_budget=read.far_budget,
+                  far_page=page, far_bounds=kept)
+        truth = [fold_attention_ref(q, k, torch.nan_to_num(call["v"]), **kw, upcast=u)[0].flatten(0, 1)
+                 for u in (True, False)]
+        check_close(f"call {i}", call["out"], truth[0], truth[1], torch.float32)
