@@ -68,6 +68,25 @@ def test_torch_matches_reference(spec, paged, bounds_given):
     check_budget_against_reference(case, page, budget, "torch", paged=paged, bounds_given=bounds_given)
 
 
+configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]),
+                    num_splits=st.sampled_from([1, 2, 3, 8]), num_warps=st.just(4), num_stages=st.just(2))
+
+
+@INTERPRETED
+@given(spec=budget_cases(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_len_cap=400),
+       paged=st.booleans(), bounds_given=st.booleans(), config=configs)
+@example(spec=(Case(batch=2, n_q=7, heads_kv=2, group=4, head_dim=64, rotary_dim=40, interleaved=True, max_len=500,
+                    seqlens=(500, 200), window=24, keys_rotated=True, queries_rotated=True, attention_factor=1.25),
+               16, 80), paged=True, bounds_given=True, config=FoldConfig(32, 64, 8, 4, 2))
+@example(spec=(Case(batch=1, n_q=4, group=2, max_len=300, window=8, sliding_window=12, causal=True), 4, 20),
+         paged=False, bounds_given=False, config=FoldConfig(16, 16, 3, 4, 2))
+def test_triton_matches_reference(spec, paged, bounds_given, config):
+    """The far launch over a page list (in the interpreter; bf16 through its upcast path) against the reference."""
+    case, page, budget = spec
+    with use_config(config):
+        check_budget_against_reference(case, page, budget, "triton", paged=paged, bounds_given=bounds_given)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("keys_rotated", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
