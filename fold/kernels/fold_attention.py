@@ -712,7 +712,8 @@ def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_pa
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         heads_kv, n_q, cache_len(k, block_table), span, splits, state_offset,
         pages.shape[-1] if far_pages is not None else 0, q_scale,
-        **{"PLAIN": False, "FAR_PAGE": 0, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0, UPCAST=upcast,
+        **{"PLAIN": False, "FAR_PAGE": 0, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0,
+        UPCAST=upcast,
         DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
