@@ -24,6 +24,8 @@ launcher share.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from fold.rope import Rope, rotate_with, work_dtype
@@ -79,7 +81,7 @@ def _check_common(name, keys, far_page, keys_rotated, rope, k_scale):
         raise TypeError(f"rope must be a fold.Rope or None, got {type(rope).__name__}")
     if keys_rotated and rope is None:
         raise ValueError("keys_rotated=True needs rope (the keys are un-rotated before their bounds are taken)")
-    if isinstance(k_scale, bool) or not isinstance(k_scale, (int, float)) or not k_scale > 0:
+    if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real) or not k_scale > 0:
         raise ValueError(f"k_scale must be a float > 0, got {k_scale!r}")
 
 
@@ -207,7 +209,8 @@ def update_bounds(bounds: torch.Tensor, keys: torch.Tensor, *, far_page: int, po
     # reset every page written at offset 0 (all its keys of this chunk agree on it, so the writes agree)
     reset = torch.zeros(flat.shape[0], dtype=torch.int32, device=keys.device)
     reset.index_put_((row,), (valid & (offset == 0)).int(), accumulate=True)
-    empty = torch.tensor([float("-inf"), float("inf")], device=keys.device)[:, None]          # [2, 1]
+    empty = torch.full((2, 1), float("inf"), device=keys.device)              # [2, 1]: (-inf, +inf); no host copy
+    empty[0] = float("-inf")
     flat.index_put_((row,), torch.where(reset[row][:, None, None, None] > 0, empty, flat[row]))
     x = _keys_for_bounds(keys, pos, keys_rotated, rope, k_scale)                              # [T, Hkv, d]
     m = valid[:, None, None]

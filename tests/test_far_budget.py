@@ -68,6 +68,25 @@ def test_torch_matches_reference(spec, paged, bounds_given):
     check_budget_against_reference(case, page, budget, "torch", paged=paged, bounds_given=bounds_given)
 
 
+configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]),
+                    num_splits=st.sampled_from([1, 2, 3, 8]), num_warps=st.just(4), num_stages=st.just(2))
+
+
+@INTERPRETED
+@given(spec=budget_cases(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_len_cap=400),
+       paged=st.booleans(), bounds_given=st.booleans(), config=configs)
+@example(spec=(Case(batch=2, n_q=7, heads_kv=2, group=4, head_dim=64, rotary_dim=40, interleaved=True, max_len=500,
+                    seqlens=(500, 200), window=24, keys_rotated=True, queries_rotated=True, attention_factor=1.25),
+               16, 80), paged=True, bounds_given=True, config=FoldConfig(32, 64, 8, 4, 2))
+@example(spec=(Case(batch=1, n_q=4, group=2, max_len=300, window=8, sliding_window=12, causal=True), 4, 20),
+         paged=False, bounds_given=False, config=FoldConfig(16, 16, 3, 4, 2))
+def test_triton_matches_reference(spec, paged, bounds_given, config):
+    """The far launch over a page list (in the interpreter; bf16 through its upcast path) against the reference."""
+    case, page, budget = spec
+    with use_config(config):
+        check_budget_against_reference(case, page, budget, "triton", paged=paged, bounds_given=bounds_given)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("keys_rotated", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
@@ -203,7 +222,8 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="far_page"):
         fold.attention(q, kp, vp, **paged, far_budget=64, far_page=32)
     with pytest.raises(ValueError, match="far_bounds"):
-        fold.attention(q, kp, vp, **paged, far_budget=64, far_page=16, far_bounds=far_pages.empty_bounds(13, 1, 32, batch=1))
+        fold.attention(q, kp, vp, **paged, far_budget=64, far_page=16,
+                       far_bounds=far_pages.empty_bounds(13, 1, 32, batch=1))
     # without a budget, far_page is the default of any page size and far_bounds is ignored
     fold.attention(q, kp, vp, **paged)
 
@@ -216,9 +236,34 @@ def test_the_torch_path_selects_without_host_reads_beyond_its_own():
     case = Case(batch=2, n_q=4, group=2, max_len=300, seqlens=(300, 120), window=16, keys_rotated=True)
     q, k, v, seqlens = make_inputs(case)
     kw = dict(kwargs_of(case, seqlens), check_ranges=False)
+    fold.attention(q, k, v, **kw, backend="torch")                    # the torch path's Rope, kept from here on
     with HostReads() as plain:
         fold.attention(q, k, v, **kw, backend="torch")
     with HostReads() as budgeted:
         fold.attention(q, k, v, **kw, far_budget=48, far_page=16, backend="torch")
     assert [c for c in budgeted.calls if c[1] == "fold.far_pages"] == []
     assert sorted(budgeted.calls) == sorted(plain.calls)
+
+
+@pytest.mark.parametrize("bounds_given", [False, True])
+@pytest.mark.parametrize("keys_rotated", [False, True])
+def test_the_triton_path_reads_no_tensor_on_the_host(bounds_given, keys_rotated):
+    """A budgeted read as engines call it (paged, range checks off): bounds, selection and launches
+    read nothing on the host, so a CUDA graph can capture it."""
+    from tests.helpers import HostReads
+
+    case = Case(batch=2, n_q=4, heads_kv=2, group=2, max_len=320, seqlens=(320, 150), window=16,
+                keys_rotated=keys_rotated, queries_rotated=keys_rotated)
+    q, k, v, seqlens = make_inputs(case, pad=0.0)
+    (kp, table), (vp, _) = (to_pages(x, seqlens, 16, torch.Generator().manual_seed(2)) for x in (k, v))
+    rope = rope_of(case)
+    bounds = (far_pages.page_bounds(kp, 16, cache_seqlens=seqlens, block_table=table, keys_rotated=keys_rotated,
+                                    rope=rope) if bounds_given else None)
+    kw = dict(kwargs_of(case, seqlens), block_table=table, check_ranges=False)
+    with HostReads() as reads:
+        out = fold.attention(q, kp, vp, **kw, far_budget=64, far_page=16, far_bounds=bounds, backend="triton")
+        slots = torch.full((6,), -1)
+        slots[:3] = torch.tensor([0, 17, 33])
+        far_pages.update_bounds(far_pages.empty_bounds(kp.shape[0], 2, 32), kp[0, :6], far_page=16,
+                                slot_mapping=slots, positions=torch.arange(6), keys_rotated=keys_rotated, rope=rope)
+    assert reads.calls == [] and torch.isfinite(out).all()
