@@ -345,9 +345,9 @@ class PageBounds:
     def truncate(self, length: int, layer: int | None = None) -> None:
         """Keep the bounds valid for a cache cut back to ``length`` entries (every layer, or ``layer``):
         pages wholly past it are emptied (``(-inf, +inf)``); the page ``length`` falls inside keeps its
-        box, looser than exact but still a bound of what remains (a bound may be loose, never tight:
-        with a budget covering every page the read is exact whatever the boxes, and a page later
-        rewritten from its offset 0 starts a fresh box, ``update_bounds``' rule)."""
+        box, looser than exact but still a bound of what remains (a box may be larger than its keys'
+        extent, never smaller: with a budget covering every page the read is exact whatever the boxes,
+        and a page later rewritten from its offset 0 starts a fresh box, ``update_bounds``' rule)."""
         for i in ([layer] if layer is not None else list(self.pages)):
             if self.count.get(i, 0) > length:
                 first_empty = -(-length // self.far_page)
