@@ -10,9 +10,12 @@ GQA heads are packed into the query axis (``[heads_kv, n_q * group, d]``), so ea
 once, as a plain read packs them. A segment whose keys are usable as stored (the far memory of an
 unrotated cache, the window of a rotated one) is one fused read of a view of the cache: no copy.
 Keys that need a rotation (the window of an unrotated cache, the far memory of a rotated one) or a
-page gather (a paged cache) are prepared a cache-sized chunk at a time, read while still in cache,
-and the chunk states merged online, so memory stays ``O(chunk)`` at any length and the extra work is
-one pass over keys already in L2. Angles are formed in float64 (:func:`fold.rope.rotate`).
+page gather (a paged cache) are prepared a chunk at a time (:data:`CHUNK_BYTES`), read while still in
+cache, and the chunk states merged once at the end, so memory stays ``O(chunk)`` at any length and the
+extra work is one pass over keys still in cache. Each torch op is a parallel region that waits for its
+slowest thread, and under CPU load (another process on one core) that thread is often descheduled:
+the read is a few large ops per chunk and few chunks, not many small ones, so it degrades under load
+as a plain read does. Angles are formed in float64 (:func:`fold.rope.rotate`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from __future__ import annotations
 import torch
 
 from fold.masked import masked_attention
-from fold.merge import merge_into, merge_pair
+from fold.merge import merge_pair
 from fold.rope import rotate, rotate_with, work_dtype
 
-CHUNK_BYTES = 4 << 20   # keys prepared per step (float32), read while still in L2/L3 (1,024 entries at 8 x 128)
+CHUNK_BYTES = 32 << 20  # keys prepared per step (float32), read while still in L3 (8,192 entries at 8 x 128)
+MERGE_STATES = 64       # chunk states kept before they are merged (each [Hkv, M, d])
 MATH_CHUNK = 4096       # entries per step where no fused kernel returns the LSE (non-CPU devices)
 
 
@@ -87,6 +91,18 @@ def _fused_read(q, k, v, scale):
     return state
 
 
+def _merge_all(states):
+    """One merge of non-empty states ``[(o [..., d], lse [...])]`` (a few ops, whatever their number)."""
+    if len(states) == 1:
+        return states[0]
+    lse = torch.stack([x[1] for x in states])                                # [S, ...]
+    m = lse.amax(0)
+    w = torch.exp(lse - m)
+    total = w.sum(0)
+    o = torch.einsum("s...,s...d->...d", w / total, torch.stack([x[0] for x in states]))
+    return o, m + torch.log(total)
+
+
 def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=None, inverse: bool = False):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``, every row seeing every
     entry; with ``rope`` entry j's key is first rotated by ``j`` (by ``-j`` with ``inverse``), a pure
@@ -104,7 +120,7 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
     chunk = -(-(hi - lo) // -(-(hi - lo) // chunk))                           # balanced: no tiny last chunk
     # rotated keys are written as the cache stores them, [C, Hkv, d]: the fastest layout to write
     buf = torch.empty(min(chunk, hi - lo), heads_kv, head_dim, dtype=q.dtype, device=q.device) if rope else None
-    state = None
+    states = []
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
         k, v = cache.rows(c0, c1)                                                 # [C, Hkv, d]
@@ -116,8 +132,10 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
         k, v = k.to(read_dtype).transpose(0, 1), v.transpose(0, 1)                # [Hkv, C, d]
         o, lse = _fused_read(q_in, k if k.stride(-1) == 1 else k.contiguous(),
                              v if v.stride(-1) == 1 else v.contiguous(), scale)
-        state = merge_into(state, o.to(q.dtype), lse.to(q.dtype))
-    return state
+        states.append((o.to(q.dtype), lse.to(q.dtype)))
+        if len(states) == MERGE_STATES:
+            states = [_merge_all(states)]
+    return _merge_all(states)
 
 
 def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, read_dtype, rope=None):
@@ -129,7 +147,7 @@ def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, 
     per_step = max(1, CHUNK_BYTES // (heads_kv * head_dim * 4 * far_page))                # pages per chunk
     q_in = q.to(read_dtype)
     offsets = torch.arange(far_page, device=q.device)
-    state = None
+    states = []
     for p0 in range(0, pages.shape[1], per_step):
         j = (pages[:, p0:p0 + per_step, None].long() * far_page + offsets).flatten(1)     # [Hkv, N]
         k, v = cache.take_heads(j)                                                          # [Hkv, N, d]
@@ -137,8 +155,10 @@ def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, 
             cos, sin = rope.cos_sin(0, end, dtype=q.dtype, device=q.device)
             k = rotate_with(k.to(q.dtype), cos[j], sin[j], rope, inverse=True)
         o, lse = _fused_read(q_in, k.to(read_dtype).contiguous(), v.to(read_dtype).contiguous(), scale)
-        state = merge_into(state, o.to(q.dtype), lse.to(q.dtype))
-    return state
+        states.append((o.to(q.dtype), lse.to(q.dtype)))
+        if len(states) == MERGE_STATES:
+            states = [_merge_all(states)]
+    return _merge_all(states)
 
 
 def _rotate_rows(qm, start, rope, factor, per_row=True):
