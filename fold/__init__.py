@@ -1,8 +1,10 @@
 """fold: FOLD attention for long-context speculative decoding, without retraining the drafter.
 
-Public API: :class:`Rope`, :func:`attention`, :func:`merge_states`, :func:`tree_attention`.
+Public API: :class:`Rope`, :func:`attention`, :func:`merge_states`, :func:`tree_attention`, and
+:mod:`fold.far_pages` (the page bounds of a budgeted far read, ``attention(..., far_budget=N)``).
 """
 
+from fold import far_pages
 from fold.attention import attention
 from fold.merge import merge_states
 from fold.rope import Rope
@@ -10,4 +12,4 @@ from fold.tree import tree_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["Rope", "__version__", "attention", "merge_states", "tree_attention"]
+__all__ = ["Rope", "__version__", "attention", "far_pages", "merge_states", "tree_attention"]

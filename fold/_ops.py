@@ -41,10 +41,11 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, window: int, alpha: float,
                  softmax_scale: float, rotary_dim: int, interleaved: bool, attention_factor: float,
                  keys_rotated: bool, far_per_row: bool, queries_rotated: bool, backend: str, read_far: bool,
-                 sliding_window: int, causal: bool, k_scale: float,
-                 v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated inputs (see ``fold.attention``; ``sliding_window = -1`` for none) -> ``(out, lse)``,
-    lse natural log."""
+                 sliding_window: int, causal: bool, k_scale: float, v_scale: float,
+                 far_pages: torch.Tensor | None = None, far_page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs (see ``fold.attention``; ``sliding_window = -1`` for none; ``far_pages [B, Hkv, K]``
+    int32 the far pages to read, from :func:`fold.far_pages.select_pages`, of ``far_page`` entries) ->
+    ``(out, lse)``, lse natural log."""
     sliding = None if sliding_window < 0 else sliding_window
     if backend == "torch":
         from fold._torch_backend import fold_attention_torch
@@ -53,7 +54,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
                                     cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
                                     keys_rotated=keys_rotated, return_lse=True, block_table=block_table,
                                     far_per_row=far_per_row, queries_rotated=queries_rotated, read_far=read_far,
-                                    sliding_window=sliding, causal=causal, k_scale=k_scale, v_scale=v_scale)
+                                    sliding_window=sliding, causal=causal, k_scale=k_scale, v_scale=v_scale,
+                                    far_pages=far_pages, far_page=far_page)
     from fold.config_lookup import config_for
     from fold.kernels.fold_attention import fold_attention_fwd
 
@@ -65,13 +67,14 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
                                   attention_factor=attention_factor, keys_rotated=keys_rotated, return_lse=True,
                                   config=config, block_table=block_table, far_per_row=far_per_row,
                                   queries_rotated=queries_rotated, read_far=read_far, sliding_window=sliding,
-                                  causal=causal, k_scale=k_scale, v_scale=v_scale)
+                                  causal=causal, k_scale=k_scale, v_scale=v_scale, far_pages=far_pages,
+                                  far_page=far_page)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
                     interleaved, attention_factor, keys_rotated, far_per_row, queries_rotated, backend, read_far,
-                    sliding_window, causal, k_scale, v_scale):
+                    sliding_window, causal, k_scale, v_scale, far_pages=None, far_page=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 

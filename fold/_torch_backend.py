@@ -10,9 +10,12 @@ GQA heads are packed into the query axis (``[heads_kv, n_q * group, d]``), so ea
 once, as a plain read packs them. A segment whose keys are usable as stored (the far memory of an
 unrotated cache, the window of a rotated one) is one fused read of a view of the cache: no copy.
 Keys that need a rotation (the window of an unrotated cache, the far memory of a rotated one) or a
-page gather (a paged cache) are prepared a cache-sized chunk at a time, read while still in cache,
-and the chunk states merged online, so memory stays ``O(chunk)`` at any length and the extra work is
-one pass over keys already in L2. Angles are formed in float64 (:func:`fold.rope.rotate`).
+page gather (a paged cache) are prepared a chunk at a time (:data:`CHUNK_BYTES`), read while still in
+cache, and the chunk states merged once at the end, so memory stays ``O(chunk)`` at any length and the
+extra work is one pass over keys still in cache. Each torch op is a parallel region that waits for its
+slowest thread, and under CPU load (another process on one core) that thread is often descheduled:
+the read is a few large ops per chunk and few chunks, not many small ones, so it degrades under load
+as a plain read does. Angles are formed in float64 (:func:`fold.rope.rotate`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from __future__ import annotations
 import torch
 
 from fold.masked import masked_attention
-from fold.merge import merge_into, merge_pair
+from fold.merge import merge_pair
 from fold.rope import rotate, rotate_with, work_dtype
 
-CHUNK_BYTES = 4 << 20   # keys prepared per step (float32), read while still in L2/L3 (1,024 entries at 8 x 128)
+CHUNK_BYTES = 32 << 20  # keys prepared per step (float32), read while still in L3 (8,192 entries at 8 x 128)
+MERGE_STATES = 64       # chunk states kept before they are merged (each [Hkv, M, d])
 MATH_CHUNK = 4096       # entries per step where no fused kernel returns the LSE (non-CPU devices)
 
 
@@ -55,6 +59,14 @@ class _Cache:
         pages, slots = self.table[j // self.page], j % self.page
         return self.k[pages, slots], self.v[pages, slots]
 
+    def take_heads(self, j: torch.Tensor):
+        """Entries at the positions ``j [Hkv, N]``, each KV head its own, as ``[Hkv, N, d]`` each."""
+        head = torch.arange(j.shape[0], device=j.device)[:, None]
+        if not self.paged:
+            return self.k[j, head], self.v[j, head]
+        pages, slots = self.table[j // self.page], j % self.page
+        return self.k[pages, slots, head], self.v[pages, slots, head]
+
     def as_stored(self, dtype) -> bool:
         """Whole segments can be read in place: contiguous, in ``dtype``, unit stride on the last dim."""
         return (not self.paged and self.k.dtype == dtype and self.k.stride(-1) == 1 and self.v.stride(-1) == 1)
@@ -79,6 +91,18 @@ def _fused_read(q, k, v, scale):
     return state
 
 
+def _merge_all(states):
+    """One merge of non-empty states ``[(o [..., d], lse [...])]`` (a few ops, whatever their number)."""
+    if len(states) == 1:
+        return states[0]
+    lse = torch.stack([x[1] for x in states])                                # [S, ...]
+    m = lse.amax(0)
+    w = torch.exp(lse - m)
+    total = w.sum(0)
+    o = torch.einsum("s...,s...d->...d", w / total, torch.stack([x[0] for x in states]))
+    return o, m + torch.log(total)
+
+
 def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=None, inverse: bool = False):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``, every row seeing every
     entry; with ``rope`` entry j's key is first rotated by ``j`` (by ``-j`` with ``inverse``), a pure
@@ -96,7 +120,7 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
     chunk = -(-(hi - lo) // -(-(hi - lo) // chunk))                           # balanced: no tiny last chunk
     # rotated keys are written as the cache stores them, [C, Hkv, d]: the fastest layout to write
     buf = torch.empty(min(chunk, hi - lo), heads_kv, head_dim, dtype=q.dtype, device=q.device) if rope else None
-    state = None
+    states = []
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
         k, v = cache.rows(c0, c1)                                                 # [C, Hkv, d]
@@ -108,8 +132,33 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
         k, v = k.to(read_dtype).transpose(0, 1), v.transpose(0, 1)                # [Hkv, C, d]
         o, lse = _fused_read(q_in, k if k.stride(-1) == 1 else k.contiguous(),
                              v if v.stride(-1) == 1 else v.contiguous(), scale)
-        state = merge_into(state, o.to(q.dtype), lse.to(q.dtype))
-    return state
+        states.append((o.to(q.dtype), lse.to(q.dtype)))
+        if len(states) == MERGE_STATES:
+            states = [_merge_all(states)]
+    return _merge_all(states)
+
+
+def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, read_dtype, rope=None):
+    """Attention of ``q [Hkv, M, d]`` (work dtype) over the entries of ``pages [Hkv, K]`` (page t = entries
+    ``[t P, (t + 1) P)``, every entry valid, below ``end`` and seen by every row; each KV head its own), read
+    :data:`CHUNK_BYTES` of keys at a time; with ``rope`` each key is first un-rotated by its position.
+    Keys and values are read in ``read_dtype``. Returns ``(o, lse)`` in q's dtype."""
+    heads_kv, head_dim = cache.k.shape[-2], cache.k.shape[-1]
+    per_step = max(1, CHUNK_BYTES // (heads_kv * head_dim * 4 * far_page))                # pages per chunk
+    q_in = q.to(read_dtype)
+    offsets = torch.arange(far_page, device=q.device)
+    states = []
+    for p0 in range(0, pages.shape[1], per_step):
+        j = (pages[:, p0:p0 + per_step, None].long() * far_page + offsets).flatten(1)     # [Hkv, N]
+        k, v = cache.take_heads(j)                                                          # [Hkv, N, d]
+        if rope is not None:                    # R_{-j} of each key: the kept tables of j, gathered
+            cos, sin = rope.cos_sin(0, end, dtype=q.dtype, device=q.device)
+            k = rotate_with(k.to(q.dtype), cos[j], sin[j], rope, inverse=True)
+        o, lse = _fused_read(q_in, k.to(read_dtype).contiguous(), v.to(read_dtype).contiguous(), scale)
+        states.append((o.to(q.dtype), lse.to(q.dtype)))
+        if len(states) == MERGE_STATES:
+            states = [_merge_all(states)]
+    return _merge_all(states)
 
 
 def _rotate_rows(qm, start, rope, factor, per_row=True):
@@ -135,7 +184,7 @@ def _unpack(x, n):
 
 def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
                          block_table=None, far_per_row=True, queries_rotated=False, read_far=True,
-                         sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0):
+                         sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0):
     """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
 
     ``k, v`` are ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, page_size, Hkv, d]`` with
@@ -144,7 +193,10 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
     (ReRoPE's rule); ``read_far=False`` reads the local branch alone. ``sliding_window`` (``Ws``):
     the local branch is ``p - j < Ws`` instead of ``p - j < D``; ``causal``: row r does not see the
     block's entries after its own. ``queries_rotated``: ``q`` holds ``R_{n+r} q``; the window reads it
-    as it is and the far branch turns it on by the difference of the two positions.
+    as it is and the far branch turns it on by the difference of the two positions. ``far_pages
+    [B, Hkv, K]`` (int32, ascending, -1 padded; :func:`fold.far_pages.select_pages`): a budgeted far read
+    of those pages of ``far_page`` entries; a sequence whose far memory has at most K pages reads it all,
+    by the full read's code (so exactly FOLD).
 
     Per sequence (``span = Ws`` or ``D``, ``win_lo = n - span + 1``, ``far_hi = win_lo + n_q - 1``)::
 
@@ -152,6 +204,11 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         [win_lo, far_hi)   n_q - 1 mixed entries        -> explicit logits under a per-row mask, both branches
         [far_hi, n)        local for every row          -> fused reads at exact positions
         [n, L)             the block (causal: per row)  -> explicit logits, with the mixed entries
+
+    With a budget (``P = far_page``, ``s0 = win_lo // P``): the pages below ``s0`` are the candidates,
+    and the first ``min(K - straddlers, s0)`` listed pages of each KV head are those selected (the list is
+    ascending; the straddling pages ``s0 ..`` are always in it): gathered per head, then ``[s0 P, win_lo)``
+    and the mixed entries as above.
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -199,7 +256,17 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         win = merge_pair(*_read(q_win, cache, c, n, scale, q.dtype, *(() if keys_rotated else (rope, False))),
                          *masked_attention(q_win, k_local, ve, local, scale))
         if read_far and c > 0:
-            far = _read(q_far, cache, 0, a, alpha * scale, q.dtype, *((rope, True) if keys_rotated else ()))
+            far_rope = (rope, True) if keys_rotated else ()
+            if far_pages is not None and -(-c // far_page) > far_pages.shape[-1]:          # the budget binds
+                s0 = a // far_page
+                chosen = min(far_pages.shape[-1] - (-(-c // far_page) - s0), s0)           # candidates read
+                far = _read(q_far, cache, s0 * far_page, a, alpha * scale, q.dtype, *far_rope)
+                if chosen:
+                    picked = _read_pages(q_far, cache, far_pages[b, :, :chosen], far_page, s0 * far_page,
+                                         alpha * scale, q.dtype, rope if keys_rotated else None)
+                    far = merge_pair(*far, *picked)
+            else:
+                far = _read(q_far, cache, 0, a, alpha * scale, q.dtype, *far_rope)
             if c > a:                                                                # the mixed entries' far part
                 k_far = rotate(ke, -j, rope, factor=1.0) if keys_rotated else ke
                 far = merge_pair(*far, *masked_attention(q_far, k_far, ve, behind >= span, alpha * scale))

@@ -25,7 +25,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
               queries_rotated=False, softmax_scale=None, return_lse=False, backend="auto", check_ranges=None,
-              far_position="shared", sliding_window=None, causal=False, k_scale=None, v_scale=None):
+              far_position="shared", sliding_window=None, causal=False, k_scale=None, v_scale=None, far_budget=None,
+              far_page=64, far_bounds=None):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -86,6 +87,22 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
         k_scale, v_scale: an FP8 cache (``k, v`` in ``torch.float8_e4m3fn`` or ``float8_e5m2``, as
             vLLM stores them) holds ``k / k_scale`` and ``v / v_scale``; it is read dequantized on load.
             Positive floats, default 1.0; any cache dtype takes them.
+        far_budget: ``None`` (default: every far entry, FOLD as above), or ``N``: the far branch reads at most
+            ``K = N // far_page`` pages per sequence and KV head (shared by the block's rows and the GQA
+            group). The pages holding entries that are far for some row but not every row (or that also
+            hold entries that are not far) are always read, at most ``ceil((n_q - 1) / far_page) + 1``
+            (``K`` below that is a ValueError); the rest go to the pages far for every row with the largest
+            bound ``scale * alpha * max over rows and heads of sum_i max(q~_i max_i, q~_i min_i)`` (``q~``
+            the far query, ``max``/``min`` the page's key bounds, see :mod:`fold.far_pages`), ties to the
+            lower page. Each row counts only its own far entries of those pages, and Z_F sums over what is
+            read. A budget covering the far memory reads it all: exactly FOLD. ``far_position="shared"`` only.
+        far_page: entries per far page, ``P >= 1`` (page t = entries ``[t P, (t + 1) P)``). With ``block_table``
+            and a budget it must equal the cache's page size. Default: 64.
+        far_bounds: the page bounds (:mod:`fold.far_pages`, kept by the caller as keys are written):
+            ``[batch, ceil(max_len / P), heads_kv, 2, head_dim]`` float32 for a contiguous cache,
+            ``[num_blocks, heads_kv, 2, head_dim]`` (by physical block) for a paged one. ``None``: computed
+            here from the cache each call (``O(L)``, the convenience path). Bounds looser than exact are
+            fine. Ignored without ``far_budget``.
         check_ranges: check the values of ``cache_seqlens`` (and the pages ``block_table`` uses)
             against the cache. Reading them costs a host sync on CUDA, so ``None`` (default) checks on
             the CPU and skips on CUDA; ``True`` always checks, ``False`` never. Skipped while
@@ -126,14 +143,72 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
             raise ValueError(f"sliding_window must be >= n_q={n_q} (the block must fit in the layer's window), "
                              f"got {sliding_window}")
     k_scale, v_scale = (validate_cache_scale(name, x) for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
+    span = window + n_q if sliding_window is None else int(sliding_window)
+    far_pages = _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale,
+                           far_budget, far_page, far_bounds)
     from fold._ops import attention_op
 
     out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
                             args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],
                             rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated,
                             far_position == "shared", queries_rotated, args["backend"], far_position != "none",
-                            -1 if sliding_window is None else int(sliding_window), causal, k_scale, v_scale)
+                            -1 if sliding_window is None else int(sliding_window), causal, k_scale, v_scale,
+                            far_pages, far_page if far_pages is not None else 0)
     return (out, lse) if return_lse else out
+
+
+def _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale, far_budget,
+               far_page, far_bounds):
+    """Validate the far-budget arguments and select the pages: ``[batch, heads_kv, K]`` int32, or None
+    (no budget, or one that covers every sequence's far memory: the full read, exactly FOLD)."""
+    q, k, block_table = args["q"], args["k"], args["block_table"]
+    if isinstance(far_page, bool) or not isinstance(far_page, numbers.Integral):
+        raise TypeError(f"far_page must be an int, got {type(far_page).__name__}")
+    if far_page < 1:
+        raise ValueError(f"far_page must be >= 1, got {far_page}")
+    if far_budget is None:
+        return None
+    if isinstance(far_budget, bool) or not isinstance(far_budget, numbers.Integral):
+        raise TypeError(f"far_budget must be an int or None, got {type(far_budget).__name__}")
+    if far_position != "shared":
+        raise ValueError(f"far_budget needs far_position='shared' (the far keys' bounds hold at one shared "
+                         f"position), got far_position={far_position!r}")
+    batch, n_q, _, head_dim = q.shape
+    heads_kv = k.shape[2]
+    far_page = int(far_page)
+    if block_table is not None and far_page != k.shape[1]:
+        raise ValueError(f"far_page={far_page} must equal the paged cache's page size k.shape[1]={k.shape[1]} "
+                         "(the cache's pages are the far pages)")
+    slots = int(far_budget) // far_page
+    needed = -(-(n_q - 1) // far_page) + 1
+    if slots < needed:
+        raise ValueError(f"far_budget={far_budget} gives {slots} pages of far_page={far_page}; the pages that "
+                         f"straddle the block's far/window edge need {needed} (far_budget >= {needed * far_page})")
+    max_len = block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[1]
+    if far_bounds is not None:
+        if not isinstance(far_bounds, torch.Tensor):
+            raise TypeError(f"far_bounds must be a float32 tensor or None, got {type(far_bounds).__name__}")
+        want = ((k.shape[0], heads_kv, 2, head_dim) if block_table is not None
+                else (batch, -(-max_len // far_page), heads_kv, 2, head_dim))
+        if tuple(far_bounds.shape) != want:
+            raise ValueError(f"far_bounds must have shape {list(want)} (see fold.far_pages), got "
+                             f"{tuple(far_bounds.shape)}")
+        if far_bounds.dtype != torch.float32:
+            raise TypeError(f"far_bounds must be float32, got {far_bounds.dtype}")
+        if far_bounds.device != q.device:
+            raise ValueError(f"far_bounds must be on q's device {q.device}, got {far_bounds.device}")
+    if slots * far_page >= max_len - span:              # every sequence's far memory fits: read it all
+        return None
+    from fold import far_pages
+
+    seqlens = args["cache_seqlens"]
+    if far_bounds is None:
+        far_bounds = far_pages.page_bounds(k, far_page, cache_seqlens=seqlens, block_table=block_table,
+                                           keys_rotated=keys_rotated, rope=rope, k_scale=k_scale)
+    q_far = far_pages.far_queries(q, rope, seqlens, window=window, max_len=max_len, queries_rotated=queries_rotated)
+    return far_pages.select_pages(q_far, far_bounds, seqlens, max_len=max_len, n_q=n_q, span=span,
+                                  far_page=far_page, num_slots=slots, scale=args["softmax_scale"] * alpha,
+                                  block_table=block_table)
 
 
 def validate_cache_scale(name, x) -> float:

@@ -15,6 +15,14 @@ far memory, still read at the full layers' far position (distance ``D + r``). ``
 block's later entries (``j > p``) from row ``r``. ``far_position="none"`` reads the local branch
 alone (FOLD's window, or a sliding layer's native read).
 
+A budgeted read (``far_budget=N``, pages of ``far_page = P`` entries) reads, per sequence and KV head,
+only ``K = N // P`` pages of the far memory: the straddling pages (an entry far for some row but not
+for every row, or a page that also holds entries that are not far) always, then the pages that are far
+for every row ranked by ``bound(t) = scale * alpha * max over rows and the group's heads of
+sum_i max(q~_i max_i, q~_i min_i)`` (``q~`` the far query, ``max``/``min`` the elementwise bounds of
+the page's ``R_0 k``; an empty box ranks -inf, a NaN bound +inf), ties towards the lower page. Each row
+still counts only its own far entries of those pages (:func:`select_far_pages_ref`).
+
 ``R_0 k`` is ``k`` with its rotary dimensions times ``attention_factor`` (1 unless YaRN), which is
 what "read at the shared virtual position" means: ``(R_{D+r} q) . (R_0 k) = (R_p q) . (R_{n-D} k)``.
 With ``keys_rotated`` the cache holds ``R_j k_j`` and is un-rotated here first; with
@@ -32,7 +40,8 @@ from reference.rope import apply_rope
 
 def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
                        queries_rotated=False, softmax_scale=None, far_position="shared", sliding_window=None,
-                       causal=False, k_scale=1.0, v_scale=1.0, upcast=True):
+                       causal=False, k_scale=1.0, v_scale=1.0, upcast=True, far_budget=None, far_page=64,
+                       far_bounds=None):
     """Reference FOLD attention.
 
     q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block (``R_{n+r} q`` with
@@ -47,6 +56,11 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         ``k.to(dtype) * k_scale``
     upcast: compute in float64 (the truth); ``False`` computes in q's dtype, which is how
         large an error PyTorch itself makes in that dtype.
+    far_budget, far_page: None (every far entry), or read only ``far_budget // far_page`` far pages per
+        sequence and KV head (``far_position="shared"`` only); the pages are chosen in float64 whatever
+        ``upcast`` says, so both computations read the same entries
+    far_bounds: None (bounds from ``k``), or ``[batch, >= ceil(max_len / P), heads_kv, 2, head_dim]``: the
+        elementwise max / min of each page's unrotated, dequantized keys (see ``fold.far_pages``)
 
     Returns ``(out [batch, n_q, heads_q, head_dim], lse [batch, n_q, heads_q])``, both in float64
     with ``upcast`` and in ``q.dtype`` otherwise; ``lse`` is in natural log.
@@ -82,6 +96,13 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         behind = (n + r)[:, None] - j[None, :]                                  # p - j, [n_q, L]
         in_window = behind < span
         is_far = ~in_window if far_position != "none" else torch.zeros_like(in_window)
+        if far_budget is not None:
+            read = select_far_pages_ref(q[b], k[b, :length], n=n, span=span, window=window, rope=rope,
+                                        scale=scale * alpha, far_budget=far_budget, far_page=far_page,
+                                        bounds=None if far_bounds is None else far_bounds[b], k_scale=k_scale,
+                                        keys_rotated=keys_rotated, queries_rotated=queries_rotated)
+            page_read = read.repeat_interleave(group, dim=0)[:, j // far_page]       # [Hq, L]
+            is_far = is_far[None] & page_read[:, None, :]                            # [Hq, n_q, L]
         if causal:
             in_window &= behind >= 0
         neg_inf = torch.tensor(float("-inf"), dtype=s_window.dtype, device=q.device)
@@ -99,6 +120,58 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         outs.append(out)
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
+
+
+def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_page, bounds=None, k_scale=1.0,
+                         keys_rotated=False, queries_rotated=False):
+    """The far pages a budgeted read of one sequence reads, in float64: ``[heads_kv, num_pages]`` bool.
+
+    q: [n_q, heads_q, head_dim] the block's queries (as ``fold_attention_ref`` takes them)
+    k: [L, heads_kv, head_dim] the sequence's valid keys (as stored)
+    n, span: row r reads entry j as far memory iff ``j <= n + r - span``
+    bounds: None (from ``k``), or ``[>= num_pages, heads_kv, 2, head_dim]`` bounds of the unrotated keys
+    """
+    n_q, heads_q, head_dim = q.shape
+    length, heads_kv = k.shape[0], k.shape[1]
+    group = heads_q // heads_kv
+    rot = dict(rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, attention_factor=rope.attention_factor)
+    inv_freq = rope.inv_freq.to(q.device)
+    r = torch.arange(n_q, device=q.device)
+    q64 = q.to(torch.float64)
+    if queries_rotated:
+        q64 = apply_rope(q64, (n + r)[:, None], inv_freq, inverse=True, **rot)
+    q_far = apply_rope(q64, (window + n_q + r)[:, None], inv_freq, **rot)                  # [n_q, Hq, d]
+    num_pages = -(-length // far_page)
+    if bounds is None:
+        kb = k.to(torch.float64) * k_scale
+        if keys_rotated:
+            kb = apply_rope(kb, torch.arange(length, device=q.device)[:, None], inv_freq, inverse=True, **rot)
+        k_far = apply_rope(kb, torch.zeros(length, 1, device=q.device), inv_freq, **rot)  # R_0 k
+        pages = [k_far[t * far_page:(t + 1) * far_page] for t in range(num_pages)]      # each [<= P, Hkv, d]
+        hi = torch.stack([p.amax(0) for p in pages])                                    # [T, Hkv, d]
+        lo = torch.stack([p.amin(0) for p in pages])
+    else:
+        factor = torch.ones(head_dim, dtype=torch.float64, device=q.device)
+        factor[:rope.rotary_dim] = rope.attention_factor                                 # R_0 k = f k on rotary dims
+        hi = bounds[:num_pages, :, 0].to(torch.float64) * factor
+        lo = bounds[:num_pages, :, 1].to(torch.float64) * factor
+    # bound[h, t]: the largest logit any row or head of group h could have with a key in page t's box
+    q_g = q_far.view(n_q, heads_kv, group, head_dim)[:, :, :, None, :]                   # [n_q, Hkv, g, 1, d]
+    per_key = torch.maximum(q_g * hi.transpose(0, 1)[None, :, None], q_g * lo.transpose(0, 1)[None, :, None])
+    bound = scale * per_key.sum(-1).amax(dim=(0, 2))                                    # [Hkv, T]
+    bound = torch.where(torch.isnan(bound), float("inf"), bound)
+    bound = torch.where((hi < lo).any(-1).transpose(0, 1), float("-inf"), bound)          # an empty box
+    win_lo = n - span + 1                   # entries < win_lo are far for every row
+    far_hi = win_lo + n_q - 1               # entries < far_hi are far for some row
+    budget = far_budget // far_page
+    read = torch.zeros(heads_kv, num_pages, dtype=torch.bool, device=q.device)
+    for h in range(heads_kv):
+        candidates = [t for t in range(num_pages) if (t + 1) * far_page <= win_lo]
+        straddlers = [t for t in range(num_pages) if t * far_page < far_hi and (t + 1) * far_page > win_lo]
+        ranked = sorted(candidates, key=lambda t: (-bound[h, t].item(), t))
+        for t in straddlers + ranked[:budget - len(straddlers)]:
+            read[h, t] = True
+    return read
 
 
 def rope_attention_ref(q, k, v, *, rope, cache_seqlens=None, keys_rotated=False, queries_rotated=False,

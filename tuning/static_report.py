@@ -136,7 +136,11 @@ SERVING = {
     "serve-window": dict(read_far=False),
     "serve-sliding": dict(sliding_window=512, causal=True),
     "serve-fp8": dict(k_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5),
+    # a budgeted far read (fold.far_pages): the far launch over a page list, 1024 entries in vLLM's pages
+    "serve-budget": dict(far_budget=1024),
 }
+# the budgeted far read of a contiguous cache: far_budget entries in pages of FAR_PAGE (the API's default)
+FAR_BUDGET, FAR_PAGE = 1024, 64
 
 
 @dataclasses.dataclass
@@ -158,9 +162,11 @@ def _meta(*shape, dtype):
 
 
 def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int = 1,
-                  dtype=torch.bfloat16, seqlens=None, page_size: int = 0, k_dtype=None, **options) -> list[Launch]:
+                  dtype=torch.bfloat16, seqlens=None, page_size: int = 0, k_dtype=None, far_budget=None,
+                  **options) -> list[Launch]:
     """The launches of one ``fold.attention`` read of a ``DrafterShape`` with ``config`` (from a
-    paged cache with ``page_size``, which implies cache_seqlens; a cache in ``k_dtype``, default q's);
+    paged cache with ``page_size``, which implies cache_seqlens; a cache in ``k_dtype``, default q's;
+    a budgeted far read of ``far_budget`` entries in pages of ``page_size`` or :data:`FAR_PAGE`);
     ``options`` go to the launcher (``read_far``, ``sliding_window``, ``causal``, ``queries_rotated``,
     ``k_scale``, ``v_scale``)."""
     from fold.kernels.fold_attention import fold_attention_fwd
@@ -176,6 +182,10 @@ def fold_launches(shape, length: int, keys_rotated: bool, config, *, batch: int 
     else:
         k = _meta(batch, length, shape.heads_kv, shape.head_dim, dtype=k_dtype)
     inv_freq = _meta(shape.head_dim // 2, dtype=torch.float32)
+    if far_budget is not None:
+        far_page = page_size or FAR_PAGE
+        options.update(far_page=far_page,
+                       far_pages=_meta(batch, shape.heads_kv, far_budget // far_page, dtype=torch.int32))
     with record_launches() as seen:
         fold_attention_fwd(q, k, k, inv_freq, seqlens, window=shape.window, alpha=2.0,
                            softmax_scale=shape.head_dim ** -0.5, rotary_dim=shape.head_dim, interleaved=False,
@@ -213,7 +223,8 @@ def launched_config(shape, length: int, keys_rotated: bool, *, n_q: int | None =
 def _kernel_name(launch: Launch) -> str:
     if launch.name == "fold_fwd_kernel_stage1":
         kw = launch.kwargs
-        return f"stage1[{'plain' if kw['PLAIN'] else 'window' if kw['IS_WINDOW'] else 'far'}]"
+        far = "far-pages" if kw.get("FAR_PAGE") else "far"
+        return f"stage1[{'plain' if kw['PLAIN'] else 'window' if kw['IS_WINDOW'] else far}]"
     return launch.name.removeprefix("fold_fwd_kernel_")
 
 
@@ -251,6 +262,11 @@ def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads
                     for launch in fold_launches(shape, length, keys_rotated, config, page_size=page_size):
                         items.append(Item(_kernel_name(launch), name, kv, length, keys_rotated,
                                           _launch_config(launch), launch))
+                    for launch in fold_launches(shape, length, keys_rotated, config, page_size=page_size,
+                                                far_budget=FAR_BUDGET):
+                        if launch.kwargs.get("FAR_PAGE"):   # the other launches are the full read's
+                            items.append(Item(_kernel_name(launch), name, kv, length, keys_rotated,
+                                              _launch_config(launch), launch, "fold-budget"))
                 if tree:
                     config = launched_config(shape, length, True, n_q=TREE_NODES, device=device, sms=sms)
                     for launch in tree_launches(shape, length, config):

@@ -32,6 +32,9 @@ row 2, ..., AR, row 1, ...) ``--repeats`` times, so every row sees the same mach
 prompt's TPOT is the median over its repeats; speedup = TPOT_AR / TPOT per prompt, averaged over
 prompts. tau is deterministic (greedy) and needs no repeats. Every mean comes with a 95% bootstrap
 CI over prompts, and each row's tau also as a paired difference to Window on the same prompts.
+The ``fold-budget`` row is FOLD with ``far_budget=--far-budget`` (default 1024) and
+``far_page=--far-page`` (64): its far branch reads at most that many entries per round, chosen by
+per-page key bounds; its tau is also paired against the ``fold`` row's (the budget's cost).
 
 Prints the tables; writes ``results.json``, ``table.txt`` and ``tau_vs_length.png`` into ``--out``.
 """
@@ -55,6 +58,9 @@ from fold.demo import data
 
 POLICIES = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
 ANCHOR_ROW = "anchor-offset"
+BUDGET_ROW = "fold-budget"            # fold with far_budget / far_page: the far read bounded per round
+ROWS = POLICIES + (BUDGET_ROW, ANCHOR_ROW)
+FAR_BUDGET, FAR_PAGE = 1024, 64
 TASKS = ("code", "retrieval")
 HELD_OUT_TASKS = tuple(f"retrieval-{form}" for form in data.HELD_OUT_FORMS)     # --real only
 REAL_TASKS = TASKS + HELD_OUT_TASKS
@@ -63,13 +69,12 @@ SCOPES = {"retrieval": "in the drafter's training format (planted SECRET line)",
 PRESETS = {
     "quick": dict(lengths=[2048, 8192], prompts=3, new_tokens=24, repeats=2,
                   rows=("dflash", "window", "fold", ANCHOR_ROW)),
-    "default": dict(lengths=[2048, 4096, 8192, 16384], prompts=5, new_tokens=32, repeats=3,
-                    rows=POLICIES + (ANCHOR_ROW,)),
+    "default": dict(lengths=[2048, 4096, 8192, 16384], prompts=5, new_tokens=32, repeats=3, rows=ROWS),
 }
 REAL_PRESETS = {
     "quick": dict(lengths=[2048, 8128], prompts=1, new_tokens=16, repeats=1, rows=("dflash", "window", "fold")),
     "default": dict(lengths=[2048, 4096, 8128], prompts=3, new_tokens=24, repeats=1,
-                    rows=("dflash", "window", "fold", "rerope")),
+                    rows=("dflash", "window", "fold", BUDGET_ROW, "rerope")),
 }
 RETRIEVAL_DRAWS = 3                   # real retrieval: up to this many prompts drawn per one the target answers
 REAL_WINDOW = 256                     # half the real drafter's 512-token training length
@@ -116,13 +121,16 @@ def training_length(artifacts: Path | None = None, default: int = 256, drafter_d
     return int(config.get("fold_training", {}).get("seq_len", default))
 
 
-def policy_options(policy: str, window: int, alpha: float, train_len: int) -> dict:
-    """The paper's Appendix B.3 settings, scaled from W = 2048 to this window."""
+def policy_options(policy: str, window: int, alpha: float, train_len: int, far_budget: int = FAR_BUDGET,
+                   far_page: int = FAR_PAGE) -> dict:
+    """The paper's Appendix B.3 settings, scaled from W = 2048 to this window; ``fold-budget`` is FOLD
+    whose far branch reads at most ``far_budget`` entries (pages of ``far_page``) per round."""
     s = window / 2048
     return {
         "dflash": {},
         "window": dict(window=window),
         "fold": dict(window=window, alpha=alpha),
+        BUDGET_ROW: dict(window=window, alpha=alpha, far_budget=far_budget, far_page=far_page),
         "streaming": dict(sinks=4, recent=window - 4),
         "yarn": dict(reference_len=train_len),
         "rerope": dict(window=window, training_length=train_len),
@@ -257,6 +265,7 @@ def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
     ar = next(r for r in rows if r.name == "AR")
     ar_tpot = [statistics.median(t) for t in ar.tpots]
     window = next((r for r in rows if r.name == "window"), None)
+    full_fold = next((r for r in rows if r.name == "fold"), None)
     records = []
     for row in rows:
         tpot = [statistics.median(t) for t in row.tpots]
@@ -269,14 +278,18 @@ def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
         if window is not None and row.name not in ("AR", "window"):
             rec["tau_minus_window"], rec["tau_minus_window_ci"] = _ci(
                 [a - b for a, b in zip(row.taus, window.taus)])
+        if full_fold is not None and row.name == BUDGET_ROW:         # what the budget costs FOLD, paired
+            rec["tau_minus_fold"], rec["tau_minus_fold_ci"] = _ci([a - b for a, b in zip(row.taus, full_fold.taus)])
         records.append(rec)
     return records
 
 
 def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int,
-              draft_cutoff: float = 0.0, prefill=None) -> list[Row]:
+              draft_cutoff: float = 0.0, prefill=None, far_budget: int = FAR_BUDGET,
+              far_page: int = FAR_PAGE) -> list[Row]:
     """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec.generate`'s, every drafter
-    row; ``prefill``: a :class:`fold.spec.Prefills` the rows share, so each prompt is run once)."""
+    row; ``prefill``: a :class:`fold.spec.Prefills` the rows share, so each prompt is run once;
+    ``far_budget``, ``far_page``: the ``fold-budget`` row's)."""
     from fold import spec
 
     def ar(prompt, n_new):
@@ -284,8 +297,8 @@ def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_l
 
     rows = [Row("AR", ar)]
     for name in names:
-        model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, name)
-        opts = {} if name == ANCHOR_ROW else policy_options(policy, window, alpha, train_len)
+        model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, "fold" if name == BUDGET_ROW else name)
+        opts = {} if name == ANCHOR_ROW else policy_options(name, window, alpha, train_len, far_budget, far_page)
 
         def run(prompt, n_new, model=model, policy=policy, opts=opts):
             return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
@@ -302,7 +315,8 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
-                   held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False) -> list[dict]:
+                   held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False,
+                   far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``held_text``: see
     :func:`prompts_for` (the real pair's: its retrieval cells keep the first ``prompts`` prompts whose
     value the target retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn, and their records carry
@@ -321,7 +335,8 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
             ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
                                               held_ids, tokenizer, new_tokens, held_text)
             shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
-            cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared)
+            cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared,
+                             far_budget, far_page)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True
@@ -409,6 +424,7 @@ def format_table(records: list[dict]) -> str:
         if "scope" in rs[0]:
             lines.append(f"\n{task}: {rs[0]['scope']}")
         for title, key, suffix in (("tau", "tau", ""), ("tau - Window (paired)", "tau_minus_window", ""),
+                                   ("tau - FOLD (paired; the far budget's cost)", "tau_minus_fold", ""),
                                    ("speedup over AR (median TPOT per prompt)", "speedup", "x")):
             if not any(key in r for r in rs):
                 continue
@@ -422,7 +438,7 @@ def format_table(records: list[dict]) -> str:
                         cells.append(f"{'-':>24}")
                         continue
                     mark = "" if r["lossless"] else "!"             # "!": output differed from AR's
-                    sign = "+" if key == "tau_minus_window" else ""
+                    sign = "+" if key.startswith("tau_minus") else ""
                     cells.append((_fmt(r[key], r[key + "_ci"], suffix, sign) + mark).rjust(24))
                 lines.append(f"{name:<14}" + "".join(cells))
         drawn = {r["length"]: (r["prompts_answered"], r["prompts_drawn"]) for r in rs if "prompts_drawn" in r}
@@ -553,7 +569,7 @@ def main(argv=None) -> int:
                     help="output folder (default: fold-demo-out, or fold-demo-out-real with --real)")
     ap.add_argument("--lengths", type=_int_at_least(256), nargs="+",
                     help="context lengths in tokens, each >= 256 (default: preset)")
-    ap.add_argument("--rows", nargs="+", choices=POLICIES + (ANCHOR_ROW,),
+    ap.add_argument("--rows", nargs="+", choices=ROWS,
                     help="policies to compare (default: preset)")
     ap.add_argument("--tasks", nargs="+", choices=REAL_TASKS, default=None,
                     help=f"default: {' '.join(TASKS)}; with --real {' '.join(REAL_TASKS)} (retrieval: the real "
@@ -567,6 +583,10 @@ def main(argv=None) -> int:
                                        f"(default: 128; {REAL_WINDOW} with --real)")
     ap.add_argument("--alpha", type=_float_in(1.0, MAX_ALPHA), default=2.0,
                     help="FOLD's concentration factor, in [1, 1e4]")
+    ap.add_argument("--far-budget", type=_int_at_least(1), default=FAR_BUDGET,
+                    help=f"the {BUDGET_ROW} row: far entries FOLD's far branch reads per round (default {FAR_BUDGET})")
+    ap.add_argument("--far-page", type=_int_at_least(1), default=FAR_PAGE,
+                    help=f"the {BUDGET_ROW} row: entries per far page (default {FAR_PAGE})")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
                          "(default: the shipped pair)")
@@ -630,6 +650,15 @@ def main(argv=None) -> int:
     else:
         target, drafter, anchor, tokenizer = load_pair(args.artifacts)
         train_len = training_length(args.artifacts)
+    if BUDGET_ROW in rows:
+        from fold.spec.policies import make_read
+
+        try:                                  # the budget must hold the pages a drafter block straddles
+            make_read("fold", drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1,
+                                                             block_size=drafter.cfg.block_size),
+                      window=args.window, far_budget=args.far_budget, far_page=args.far_page)
+        except ValueError as exc:
+            ap.error(f"--far-budget / --far-page: {exc}")
     from fold.demo import data
 
     held_text = data.held_out_code()
@@ -647,7 +676,7 @@ def main(argv=None) -> int:
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
                              log=log, last_logits_only=args.real,
                              held_text=held_text if args.real else None, draft_cutoff=args.draft_cutoff,
-                             every_prompt=args.every_prompt)
+                             every_prompt=args.every_prompt, far_budget=args.far_budget, far_page=args.far_page)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,
@@ -658,7 +687,7 @@ def main(argv=None) -> int:
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
-    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, draft cutoff {args.draft_cutoff}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
+    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, {BUDGET_ROW}: {args.far_budget} far entries in pages of {args.far_page}, draft cutoff {args.draft_cutoff}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
           f"{new_tokens} new tokens per code prompt, the stored value's length per retrieval prompt; drafter trained "
           f"on {train_len} tokens; {time.perf_counter() - t0:.0f} s")
     print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "

@@ -383,21 +383,21 @@ def _store_state(p_o, p_lse, m_i, l_i, acc, m_store, m_row):
     tl.store(p_lse, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["n_q", "max_len", "span", "num_splits", "state_offset"])
+@triton.jit(do_not_specialize=["n_q", "max_len", "span", "num_splits", "state_offset", "num_slots"])
 def fold_fwd_kernel_stage1(
-    Q, K, V, InvFreq, Trig, SeqLens, BlockTable, OPart, LsePart,
+    Q, K, V, InvFreq, Trig, SeqLens, BlockTable, FarPages, OPart, LsePart,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_tb,
+    stride_tb, stride_fb, stride_fh,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
-    heads_kv, n_q, max_len, span, num_splits, state_offset, q_scale,
+    heads_kv, n_q, max_len, span, num_splits, state_offset, num_slots, q_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
     CAUSAL: tl.constexpr, ROTATE: tl.constexpr, PLAIN: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    FAR_PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one branch (IS_WINDOW or the far memory) over its entries of one sequence, split in num_splits
     # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. Row r's local branch is
@@ -406,6 +406,9 @@ def fold_fwd_kernel_stage1(
     # entry [0, L), Q is the caller's [B, n_q, Hq, d] (stride_qm per draft row), scaled by q_scale
     # here. With PAGE_SIZE > 0, K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable
     # [B, max_blocks] maps a sequence's entry j to page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
+    # With FAR_PAGE > 0 (far launch only), a budgeted far read: FarPages [B, Hkv, num_slots] lists the
+    # pages (entries [t FAR_PAGE, (t + 1) FAR_PAGE), -1 for none) of this KV head; the splits share the
+    # slots, and each page is read in masked BLOCK_N tiles (each row its own far entries).
     i_bhm = tl.program_id(0)
     i_split = tl.program_id(1)
     i_b, i_kvh, o_m, m_row, o_r, i_hq = program_rows(i_bhm, heads_kv, n_q * GROUP, GROUP, M_TILES, BLOCK_M)
@@ -431,10 +434,13 @@ def fold_fwd_kernel_stage1(
         else:                               # far memory: entries < win_lo + n_q - 1 are far for some row
             lo = 0
             hi = tl.maximum(win_lo + n_q - 1, 0)
-    # this split's share of the branch's tiles: balanced to one tile
-    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
-    start = lo + (i_split * n_tiles // num_splits) * BLOCK_N
-    end = tl.minimum(lo + ((i_split + 1) * n_tiles // num_splits) * BLOCK_N, hi)
+    if FAR_PAGE > 0:                        # this split's share of the page slots
+        start = i_split * num_slots // num_splits
+        end = (i_split + 1) * num_slots // num_splits
+    else:                                   # this split's share of the branch's tiles: balanced to one tile
+        n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+        start = lo + (i_split * n_tiles // num_splits) * BLOCK_N
+        end = tl.minimum(lo + ((i_split + 1) * n_tiles // num_splits) * BLOCK_N, hi)
 
     i_state = state_offset + i_split
     p_l = LsePart + i_b * stride_lb + i_hq * stride_lh + o_r * stride_lr + i_state
@@ -456,18 +462,29 @@ def fold_fwd_kernel_stage1(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # the far memory is unmasked up to the last whole tile below win_lo; the window is masked throughout
-        if IS_WINDOW:
-            mid = start
-        else:
-            mid = start + tl.maximum(tl.minimum(end, win_lo) - start, 0) // BLOCK_N * BLOCK_N
-        for masked in tl.static_range(2):   # [start, mid) unmasked, then [mid, end) masked
-            if masked or not IS_WINDOW:
+        if FAR_PAGE > 0:                    # the listed pages, each masked to the rows' far entries below hi
+            p_pages = FarPages + i_b * stride_fb + i_kvh * stride_fh
+            for i_slot in range(start, end):
+                page = tl.load(p_pages + i_slot)
+                page_lo = page * FAR_PAGE
+                page_hi = tl.where(page >= 0, tl.minimum(page_lo + FAR_PAGE, hi), page_lo)
                 m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
-                                        stride_vn, mid if masked else start, end if masked else mid, o_ws, span,
-                                        InvFreq, Trig, masked, IS_WINDOW, CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N,
-                                        HEAD_DIM, BLOCK_D,
-                                        ROT_HALF, PASS, INTERLEAVED, UPCAST, DOT_PRECISION)
+                                        stride_vn, page_lo, page_hi, o_ws, span, InvFreq, Trig, True, IS_WINDOW,
+                                        CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, ROT_HALF, PASS,
+                                        INTERLEAVED, UPCAST, DOT_PRECISION)
+        else:
+            # the far memory is unmasked up to the last whole tile below win_lo; the window is masked throughout
+            if IS_WINDOW:
+                mid = start
+            else:
+                mid = start + tl.maximum(tl.minimum(end, win_lo) - start, 0) // BLOCK_N * BLOCK_N
+            for masked in tl.static_range(2):   # [start, mid) unmasked, then [mid, end) masked
+                if masked or not IS_WINDOW:
+                    m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
+                                            stride_vn, mid if masked else start, end if masked else mid, o_ws, span,
+                                            InvFreq, Trig, masked, IS_WINDOW, CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N,
+                                            HEAD_DIM, BLOCK_D,
+                                            ROT_HALF, PASS, INTERLEAVED, UPCAST, DOT_PRECISION)
         p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os
                + o_d[None, :])
         _store_state(p_o, p_l, m_i, l_i, acc, m_row[:, None] & m_d[None, :], m_row)
@@ -571,7 +588,7 @@ def cache_len(k, block_table=None) -> int:
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
                        block_table=None, far_per_row=True, lse_base2=False, queries_rotated=False, read_far=True,
-                       sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0):
+                       sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0):
     """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
     stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
@@ -586,7 +603,9 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     ``read_far=False`` leaves the far launch out (the local branch alone); ``sliding_window`` ``Ws``
     makes a row's local branch ``p - j < Ws`` (default ``p - j < D``); ``causal`` hides ``j > p``.
     ``k, v`` may be FP8 (read as ``k * k_scale``, ``v * v_scale``: ``k_scale`` joins the logit scale,
-    ``v_scale`` the output; the query tiles stay in q's dtype).
+    ``v_scale`` the output; the query tiles stay in q's dtype). ``far_pages [B, Hkv, K]`` int32 (ascending,
+    -1 padded; :func:`fold.far_pages.select_pages`): the far launch reads only those pages of ``far_page``
+    entries, its splits sharing the K slots, in tiles of at most the page (>= 16 entries for the dot).
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -600,6 +619,11 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     block_n_win = config.block_n if keys_rotated else min(config.block_n, ROT_BLOCK_N)
     span = window + n_q if sliding_window is None else sliding_window        # row r's local: p - j < span
     far_splits = config.num_splits if read_far and max_len > span else 0
+    if far_pages is not None and far_splits:
+        slots = far_pages.shape[-1]
+        block_n_far = min(block_n_far, max(16, triton.next_power_of_2(far_page)))
+        tiles = slots * triton.cdiv(far_page, block_n_far)
+        far_splits = max(s for s in split_counts(tiles * block_n_far, block_n_far) if s <= min(slots, far_splits))
     win_splits = window_splits(config.num_splits, max_len, span, n_q, block_n_win)
     # the rotary factor f scales q and k alike: q carries f for itself (unless it arrives rotated) and,
     # with unrotated keys, for the key too (a rotated cache holds it; un-rotating is a pure rotation)
@@ -631,9 +655,10 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         if splits:
             _stage1(q_branch, (q_branch.stride(0), q_branch.stride(1), q_branch.stride(2)), k, v, inv_freq, trig,
                     cache_seqlens, block_table, o_part, lse_part, config, span=span, splits=splits,
-                    state_offset=offset, q_scale=1.0,
+                    state_offset=offset, q_scale=1.0, far_pages=None if is_window else far_pages,
                     consts=dict(consts, IS_WINDOW=is_window, CAUSAL=causal and is_window,
-                                ROTATE=is_window != keys_rotated, BLOCK_N=block_n))
+                                ROTATE=is_window != keys_rotated, BLOCK_N=block_n,
+                                FAR_PAGE=0 if is_window or far_pages is None else far_page))
     return _stage2(o_part, lse_part, q, far_splits, 1.0 / alpha, out_dtype=out_dtype, return_lse=return_lse,
                    lse_base2=lse_base2, v_scale=v_scale)
 
@@ -668,23 +693,27 @@ def _partial_states(q, states: int):
 
 
 def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_part, lse_part, config: FoldConfig, *,
-            span, splits, state_offset, q_scale, consts):
+            span, splits, state_offset, q_scale, consts, far_pages=None):
     """One stage-1 launch of ``splits`` splits writing states ``state_offset + i``; ``consts`` hold
-    its constexprs but PAGE_SIZE, PLAIN (default off), UPCAST and DOT_PRECISION."""
+    its constexprs but PAGE_SIZE, PLAIN and FAR_PAGE (default off), UPCAST and DOT_PRECISION;
+    ``far_pages [B, Hkv, K]`` with ``FAR_PAGE``."""
     batch, n_q, heads_kv = o_part.shape[0], o_part.shape[2], k.shape[2]
     upcast = INTERPRETED and k.dtype == torch.bfloat16
     seqlens = cache_seqlens if cache_seqlens is not None else o_part   # dummy pointers when unused
     table = block_table if block_table is not None else lse_part
+    pages = far_pages if far_pages is not None else lse_part          # a dummy pointer when unused
     fold_fwd_kernel_stage1[(batch * heads_kv * consts["M_TILES"], splits)](
-        q, k, v, inv_freq, trig, seqlens, table, o_part, lse_part,
+        q, k, v, inv_freq, trig, seqlens, table, pages, o_part, lse_part,
         *q_strides,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        table.stride(0),
+        table.stride(0), pages.stride(0), pages.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        heads_kv, n_q, cache_len(k, block_table), span, splits, state_offset, q_scale,
-        **{"PLAIN": False, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0, UPCAST=upcast,
+        heads_kv, n_q, cache_len(k, block_table), span, splits, state_offset,
+        pages.shape[-1] if far_pages is not None else 0, q_scale,
+        **{"PLAIN": False, "FAR_PAGE": 0, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0,
+        UPCAST=upcast,
         DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -338,7 +338,12 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             unsure verifies the anchor alone, a plain decoding step. Where a verification's cost grows
             with its length (a CPU) this trades unlikely drafts for time. Lossless: greedy output is
             unchanged, and at temperature > 0 the rule never looks at a drawn token. Chains only.
-        **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``sinks`` (4),
+        **policy_options: ``window`` (default 2048), ``alpha`` (2.0), ``backend`` ("auto"), ``far_budget``
+            (None: ``fold`` reads every far entry; an int N: its far branch reads at most ``N // far_page``
+            pages, chosen per sequence and KV head by per-page key bounds the drafter's cache keeps as it
+            grows, on full and sliding-window layers alike; ``fold`` only; N must hold the pages a block straddles, ``N // far_page >= ceil((block_size - 1) / far_page) + 1``;
+            with N at least the far memory's size the drafts equal ``fold``'s without a budget),
+            ``far_page`` (64, entries per far page), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``rope_theta`` (YaRN's base, None:
             read off the drafter's inv_freq), ``training_length`` (ReRoPE, 4096), ``infllm_block`` (128),
             ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4), ``cmr_chunk`` (32),
@@ -410,7 +415,8 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
                              f"{type(target).__name__} does not dispatch its attention there, so use a chain "
                              "(tree=None)")
     if not glide and isinstance(policy, str):
-        make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
+        make_read(policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1,
+                                                         block_size=drafter.cfg.block_size),
                   **policy_options)                               # bad policy or option: fail before any work
     return glide
 

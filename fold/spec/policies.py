@@ -30,7 +30,9 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
   native window (``j <= p - Ws``) is far memory, read at the shared far position of the full
   layers (distance ``D + r``, ``D = window + n_q``) with ``alpha``; the two merge by their masses
   as in Eq. 4 (:func:`fold_sliding_read`: ``fold.attention`` with the layer's ``sliding_window``
-  and causality, the same op the full layers and the vLLM backend call).
+  and causality, the same op the full layers and the vLLM backend call). With ``far_budget`` a
+  sliding layer's far read is budgeted too (its far memory is what lies outside its native window,
+  selected with the same kept page bounds of that layer's cache).
 - ``rerope``: the same split, the older entries at distance ``D`` from every row, one softmax,
   queries scaled as in the full layers.
 - ``cmr``: the native read over CMR's selection, renumbered (every layer reads the selection).
@@ -38,7 +40,6 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -149,13 +150,14 @@ def sliding_state(q, k, v, *, rope, sliding_window, causal, backend="auto"):
                           causal=causal, return_lse=True, backend=backend)
 
 
-def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto"):
+def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto", **far_budget):
     """FOLD on a sliding-window layer: its native window is the local branch, and every context
     entry outside it is far memory at distance ``D + r`` (``D = window + n_q``), read with
     ``alpha`` and merged by the masses ``Z_N``, ``Z_F = (sum exp(alpha f)) ** (1 / alpha)`` (Eq. 4):
-    ``fold.attention`` with the layer's ``sliding_window`` and causality."""
+    ``fold.attention`` with the layer's ``sliding_window`` and causality (``far_budget``,
+    ``far_page``, ``far_bounds`` passed on when given)."""
     return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, sliding_window=sliding_window,
-                          causal=causal, backend=backend)
+                          causal=causal, backend=backend, **far_budget)
 
 
 def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, training_length=4096, backend="auto"):
@@ -210,10 +212,10 @@ class Read:
         return sliding_state(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal)[0]
 
 
-OPTIONS = dict(window=2048, alpha=2.0, backend="auto", sinks=4, recent=2044, reference_len=4096, rope_theta=None,
+OPTIONS = dict(window=2048, alpha=2.0, backend="auto", far_budget=None, far_page=64, sinks=4, recent=2044, reference_len=4096, rope_theta=None,
                training_length=4096, infllm_block=128, infllm_init=128, infllm_topk=16, infllm_repr=4,
                cmr_chunk=32, cmr_top=64, cmr_every=8)
-_MINIMUM = dict(window=0, sinks=0, recent=0, reference_len=1, training_length=2, infllm_block=1, infllm_init=0,
+_MINIMUM = dict(window=0, far_page=1, sinks=0, recent=0, reference_len=1, training_length=2, infllm_block=1, infllm_init=0,
                 infllm_topk=0, infllm_repr=1, cmr_chunk=1, cmr_top=1, cmr_every=1)
 
 
@@ -235,6 +237,13 @@ def validate_options(options: dict) -> dict:
         raise TypeError(f"alpha must be a real number in [1, {MAX_ALPHA:g}], got {alpha!r}")
     if not (math.isfinite(alpha) and 1 <= alpha <= MAX_ALPHA):
         raise ValueError(f"alpha must be finite and in [1, {MAX_ALPHA:g}], got {alpha}")
+    budget = out["far_budget"]
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+            raise TypeError(f"far_budget must be None (every far entry) or an int >= 1, got {budget!r}")
+        if budget < 1:
+            raise ValueError(f"far_budget must be None (every far entry) or an int >= 1, got {budget}")
+        out["far_budget"] = int(budget)
     if out["backend"] not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {out['backend']!r}")
     theta = out["rope_theta"]
@@ -242,6 +251,19 @@ def validate_options(options: dict) -> dict:
                               or not (math.isfinite(theta) and theta > 1)):
         raise ValueError(f"rope_theta must be None or a finite number > 1, got {theta!r}")
     return out
+
+
+def _check_far_budget(policy: str, o: dict, request) -> None:
+    """``far_budget`` applies to ``fold`` and must hold every page a block's rows straddle."""
+    if policy != "fold":
+        raise ValueError(f"far_budget applies to policy='fold' only (the far memory it budgets), got policy={policy!r}")
+    page, budget = o["far_page"], o["far_budget"]
+    n_q = request["block_size"] if isinstance(request, dict) and "block_size" in request else 1
+    need = -(-(n_q - 1) // page) + 1                      # pages the block's rows can straddle
+    if budget // page < need:
+        raise ValueError(f"far_budget must hold at least {need} pages of far_page={page} entries for a block of "
+                         f"{n_q} rows (the pages its rows straddle are always read), i.e. far_budget >= {need * page}; "
+                         f"got far_budget={budget}")
 
 
 def _check_request(request) -> None:
@@ -258,7 +280,8 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
 
     ``request`` = dict(prompt_len, max_new_tokens, block_size): YaRN's per-request factor needs it.
     ``options`` (checked by name and range before any work; defaults in :data:`OPTIONS`):
-    ``window`` (int >= 0), ``alpha`` ([1, 1e4]), ``backend`` ("auto", "torch", "triton"), ``sinks``
+    ``window`` (int >= 0), ``alpha`` ([1, 1e4]), ``backend`` ("auto", "torch", "triton"), ``far_budget``
+    (None or int >= 1; ``fold`` only) and ``far_page`` (>= 1, entries per far page), ``sinks``
     (>= 0), ``recent`` (>= 0), ``reference_len`` (>= 1), ``rope_theta`` (None or > 1),
     ``training_length`` (>= 2), ``infllm_block`` (>= 1), ``infllm_init`` (>= 0), ``infllm_topk``
     (>= 0), ``infllm_repr`` (>= 1), ``cmr_chunk``, ``cmr_top``, ``cmr_every`` (>= 1).
@@ -268,24 +291,105 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
     if not isinstance(rope, fold.Rope):
         raise TypeError(f"rope must be a fold.Rope, got {type(rope).__name__}")
     o = validate_options(options)
+    if o["far_budget"] is not None:
+        _check_far_budget(policy, o, request)
     entry = POLICIES[policy]
     full = entry.full(rope, o, request)
-    sliding = None if entry.sliding is None else entry.sliding(rope, o, full)
-    return Read(full, None if sliding is None else (lambda q, k, v, layer, **kw: sliding(q, k, v, **kw)), rope=rope)
+    return Read(full, None if entry.sliding is None else entry.sliding(rope, o, full), rope=rope)
+
+
+class PageBounds:
+    """Per-page key bounds of one sequence's drafter cache, layer by layer: the ``far_bounds`` that
+    ``fold.attention(..., far_budget=)`` selects far pages by, kept as cache metadata.
+
+    For layer ``i`` it holds ``[1, pages, heads_kv, 2, head_dim]`` float32 (``[..., 0, :]`` the
+    elementwise max, ``[..., 1, :]`` the min of the pre-RoPE keys of page ``t = entries [t P, (t + 1) P)``).
+    :meth:`bounds` folds in only the committed entries appended since its last call
+    (``fold.far_pages.update_bounds``: O(new entries), never the whole cache). The block's own rows
+    (written after the committed ones for one round) are left out: they are never far, and the entries
+    that replace them are folded in once committed. A cache seen shorter than before was truncated
+    (:meth:`truncate`). Stateful: one per sequence.
+    """
+
+    def __init__(self, far_page: int):
+        self.far_page = far_page
+        self.pages: dict[int, torch.Tensor] = {}     # layer -> [1, capacity pages, Hkv, 2, d] float32
+        self.count: dict[int, int] = {}              # layer -> committed entries folded in
+
+    def bounds(self, layer: int, k: torch.Tensor, n: int) -> torch.Tensor:
+        """``k [1, L, Hkv, d]`` the layer's pre-RoPE cache whose first ``n`` entries are committed ->
+        its bounds ``[1, ceil(L / P), Hkv, 2, d]`` (a view of the kept tensor)."""
+        from fold.far_pages import empty_bounds, update_bounds
+
+        pages = -(-k.shape[1] // self.far_page)
+        buf, done = self.pages.get(layer), self.count.get(layer, 0)
+        if buf is None or buf.shape[1] < pages or buf.device != k.device:
+            grown = empty_bounds(max(pages, 2 * buf.shape[1] if buf is not None else pages), k.shape[2], k.shape[3],
+                                 batch=1, device=k.device)
+            if buf is not None and buf.device == k.device:
+                grown[:, :buf.shape[1]] = buf
+            else:
+                done = 0
+            buf = grown
+        if n < done:
+            self.pages[layer], self.count[layer] = buf, done
+            self.truncate(n, layer)
+            done = n
+        if n > done:
+            positions = torch.arange(done, n, device=k.device)
+            update_bounds(buf, k[0, done:n], far_page=self.far_page, positions=positions,
+                          batch_index=torch.zeros_like(positions))
+        self.pages[layer], self.count[layer] = buf, n
+        return buf[:, :pages]
+
+    def truncate(self, length: int, layer: int | None = None) -> None:
+        """Keep the bounds valid for a cache cut back to ``length`` entries (every layer, or ``layer``):
+        pages wholly past it are emptied (``(-inf, +inf)``); the page ``length`` falls inside keeps its
+        box, looser than exact but still a bound of what remains (a box may be larger than its keys'
+        extent, never smaller: with a budget covering every page the read is exact whatever the boxes,
+        and a page later rewritten from its offset 0 starts a fresh box, ``update_bounds``' rule)."""
+        for i in ([layer] if layer is not None else list(self.pages)):
+            if self.count.get(i, 0) > length:
+                first_empty = -(-length // self.far_page)
+                self.pages[i][:, first_empty:, :, 0] = float("-inf")
+                self.pages[i][:, first_empty:, :, 1] = float("inf")
+                self.count[i] = length
 
 
 class FoldRead:
     """FOLD on full-attention layers: ``fold.attention`` once anything is far, the plain read (each
-    context key rotated once, as an engine caches it) while the sequence fits in the window."""
+    context key rotated once, as an engine caches it) while the sequence fits in the window.
 
-    def __init__(self, rope: fold.Rope, window: int, alpha: float, backend: str):
+    With ``far_budget`` N the far branch reads at most ``N // far_page`` pages of ``far_page``
+    entries, chosen by the per-page key bounds (:class:`PageBounds`, kept per sequence as the cache
+    grows); ``far_budget=None`` reads every far entry."""
+
+    def __init__(self, rope: fold.Rope, window: int, alpha: float, backend: str, far_budget: int | None = None,
+                 far_page: int = 64):
         self.rope, self.window, self.alpha, self.backend = rope, window, alpha, backend
+        self.far_budget, self.far_page = far_budget, far_page
         self.short = CachedPlainRead(rope)
+        self.page_bounds = None if far_budget is None else PageBounds(far_page)
+
+    def budget(self, k, n: int, layer: int) -> dict:
+        """``fold.attention``'s far-budget arguments for layer ``layer``'s cache ``k`` (``n`` committed)."""
+        if self.far_budget is None:
+            return {}
+        return dict(far_budget=self.far_budget, far_page=self.far_page,
+                    far_bounds=self.page_bounds.bounds(layer, k, n))
 
     def __call__(self, q, k, v, layer):
-        if k.shape[1] - q.shape[1] <= self.window:          # length dispatch: nothing is far yet
+        n = k.shape[1] - q.shape[1]
+        if n <= self.window:                                # length dispatch: nothing is far yet
             return self.short(q, k, v, layer)
-        return fold.attention(q, k, v, window=self.window, rope=self.rope, alpha=self.alpha, backend=self.backend)
+        return fold.attention(q, k, v, window=self.window, rope=self.rope, alpha=self.alpha, backend=self.backend,
+                              **self.budget(k, n, layer))
+
+    def sliding(self, q, k, v, layer, *, sliding_window, causal):
+        """A sliding-window layer's FOLD read (:func:`fold_sliding_read`), budgeted like the full layers."""
+        return fold_sliding_read(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal,
+                                 window=self.window, alpha=self.alpha, backend=self.backend,
+                                 **self.budget(k, k.shape[1] - q.shape[1], layer))
 
 
 def _yarn(rope, o, request):
@@ -299,7 +403,7 @@ def _yarn(rope, o, request):
 
 
 def _cmr_sliding(rope, o, cmr):
-    def read(q, k, v, *, sliding_window, causal):                   # the native read over CMR's selection
+    def read(q, k, v, layer, *, sliding_window, causal):            # the native read over CMR's selection
         n = k.shape[1] - q.shape[1]
         keep = torch.cat([cmr.entries(n).to(k.device), torch.arange(n, k.shape[1], device=k.device)])
         return sliding_state(q, k[:, keep], v[:, keep], rope=rope, sliding_window=sliding_window, causal=causal)[0]
@@ -309,8 +413,9 @@ def _cmr_sliding(rope, o, cmr):
 @dataclass(frozen=True)
 class Policy:
     """A context policy: ``full(rope, options, request)`` is the read of full-attention layers for one
-    sequence, ``sliding(rope, options, full_read)`` the rule of its sliding-window layers (``None``:
-    their native read, :func:`sliding_state`)."""
+    sequence, ``sliding(rope, options, full_read)`` the rule of its sliding-window layers, a
+    ``read(q, k, v, layer, *, sliding_window, causal)`` (``None``: their native read,
+    :func:`sliding_state`)."""
 
     full: Callable
     sliding: Callable | None = None
@@ -321,17 +426,17 @@ POLICIES = {
     "dflash": Policy(full=lambda rope, o, request: CachedPlainRead(rope)),
     "window": Policy(full=lambda rope, o, request: lambda q, k, v, layer: window_read(
         q, k, v, rope=rope, window=o["window"], backend=o["backend"])),
-    "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], float(o["alpha"]), o["backend"]),
-                   sliding=lambda rope, o, full: functools.partial(fold_sliding_read, rope=rope, window=o["window"],
-                                                                   alpha=float(o["alpha"]), backend=o["backend"])),
+    "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], float(o["alpha"]), o["backend"],
+                                                          o["far_budget"], o["far_page"]),
+                   sliding=lambda rope, o, full: full.sliding),
     "streaming": Policy(full=lambda rope, o, request: lambda q, k, v, layer: streaming_read(
         q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"], backend=o["backend"])),
     "yarn": Policy(full=_yarn),
     "rerope": Policy(full=lambda rope, o, request: lambda q, k, v, layer: rerope_read(
         q, k, v, rope=rope, window=o["window"], training_length=o["training_length"], backend=o["backend"]),
-                     sliding=lambda rope, o, full: functools.partial(rerope_sliding_read, rope=rope, window=o["window"],
-                                                                     training_length=o["training_length"],
-                                                                     backend=o["backend"])),
+                     sliding=lambda rope, o, full: lambda q, k, v, layer, **kw: rerope_sliding_read(
+                         q, k, v, rope=rope, window=o["window"], training_length=o["training_length"],
+                         backend=o["backend"], **kw)),
     "infllm": Policy(full=lambda rope, o, request: InfLLMRead(rope, window=o["window"], block=o["infllm_block"],
                                                               init=o["infllm_init"], topk=o["infllm_topk"],
                                                               repr_topk=o["infllm_repr"])),

@@ -16,6 +16,12 @@ Every read is one ``fold.attention`` call over the pages (the drafter config's `
 - ``rerope``: ``far_position="fixed_distance"``, ``alpha=1``, ReRoPE's query scaling;
 - ``window``: ``far_position="none"``, FOLD's window alone (row ``r`` sees ``j > n + r - D``).
 
+With ``"far_budget"`` (``fold`` only) the far branch reads at most ``far_budget // block_size`` pages
+per request and KV head, chosen by per-page bounds of the un-rotated keys: one ``[num_blocks, heads_kv,
+2, head_size]`` float32 tensor per layer beside its cache (indexed by physical block, allocated from the
+cache's shape on first use), updated in :meth:`~FoldAttentionImpl.do_kv_cache_update` as entries are
+written (a write at a page's offset 0 starts its box afresh, as engines reuse pages).
+
 A sliding-window layer passes its window (``sliding_window``, the paper's per-layer rule: the native
 window is the local branch, every older entry far memory for ``fold`` and ``rerope``; ``window`` is
 its native read) and its causality (the layer's own flag, not the batch's). Attention sinks
@@ -162,6 +168,27 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         self.attn_type = AttentionType.DECODER
         self.read, self.rope, self.sinks = read, rope, sinks
         self.sliding_window, self.causal = sliding_window, causal
+        self.far_bounds: torch.Tensor | None = None        # [num_blocks, heads_kv, 2, head_size] float32
+        self.context_positions: torch.Tensor | None = None  # set around the DFlash context precompute
+
+    @property
+    def budgeted(self) -> bool:
+        """The far branch reads at most ``far_budget`` entries (``read="fold"`` with a budget)."""
+        return self.read.read == "fold" and self.read.far_budget is not None
+
+    def bounds_for(self, k_pages: torch.Tensor) -> torch.Tensor:
+        """The layer's far-page bounds ``[num_blocks, heads_kv, 2, head_size]`` float32 for key pages
+        ``[num_blocks, block_size, heads_kv, head_size]``, allocated (empty, ``(-inf, +inf)``) the first
+        time and again if vLLM hands over a cache of another shape; checks ``far_page`` against the
+        pages (shapes only)."""
+        from fold.far_pages import empty_bounds
+
+        blocks, page, heads_kv, _ = k_pages.shape
+        self.read.check_pages(page)
+        want = (blocks, heads_kv, 2, self.head_size)
+        if self.far_bounds is None or tuple(self.far_bounds.shape) != want or self.far_bounds.device != k_pages.device:
+            self.far_bounds = empty_bounds(blocks, heads_kv, self.head_size, device=k_pages.device)
+        return self.far_bounds
 
     def scales(self, layer) -> tuple[float, float]:
         """``(k_scale, v_scale)``: the layer's FP8 scales (host floats, as vLLM keeps them), else 1."""
@@ -202,12 +229,15 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         read = self.read
         if read.read == "rerope":
             q = q * rerope_scale(seq_lens, q.shape[1], read.training_length)[:, :, None, None].to(q.dtype)
+        budget = {}
+        if self.budgeted:
+            budget = dict(far_budget=read.far_budget, far_page=k_pages.shape[1], far_bounds=self.bounds_for(k_pages))
         o, lse = fold.attention(
             q, k_pages, v_pages, window=read.window, rope=self.rope, alpha=read.alpha if read.read == "fold" else 1.0,
             cache_seqlens=seq_lens, block_table=block_table, keys_rotated=True, queries_rotated=True,
             softmax_scale=self.scale, return_lse=True, far_position=FAR_POSITION[read.read],
             sliding_window=self.sliding_window, causal=self.causal, k_scale=scales[0], v_scale=scales[1],
-            backend=read.backend, check_ranges=False)
+            backend=read.backend, check_ranges=False, **budget)
         if self.sinks is not None:                       # a sink: one more entry of logit s_h and value 0
             total = torch.logaddexp(lse, self.sinks.to(lse.dtype)[None, None, :])
             o = (o.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(q.dtype)
@@ -218,7 +248,15 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         page * block_size + offset; negative slots are padding), quantized for an FP8 cache.
 
         One scatter, no host sync: a padding row rewrites slot 0 (vLLM's null block, which holds no
-        request's entries) with the value it read there, so padding changes nothing."""
+        request's entries) with the value it read there, so padding changes nothing.
+
+        With a far budget the written keys also go into the layer's far-page bounds
+        (``fold.far_pages.update_bounds`` over ``slot_mapping``: in place, no host sync, negative slots
+        skipped), un-rotated at their positions and dequantized as the read will see them. Those
+        positions are known for the DFlash context precompute (:attr:`context_positions`, set around it
+        by :func:`fold.vllm.models.hand_context_positions`), which writes every committed entry; the
+        block's own rows, written by the drafting forward, are not folded in: they are never far in
+        the round that writes them, and the precompute rewrites each committed one at its slot."""
         k_pages, v_pages = cache_pages(kv_cache, self.head_size)          # as stored (uint8 for FP8)
         count = slot_mapping.shape[0]
         valid = slot_mapping >= 0
@@ -228,6 +266,21 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         k_scale, v_scale = self.scales(layer)
         for pages, x, scale in ((k_pages, key[:count], k_scale), (v_pages, value[:count], v_scale)):
             pages[page, offset] = torch.where(keep, self.stored(x, scale, pages.dtype), pages[page, offset])
+        positions = self.context_positions
+        if self.budgeted and positions is not None and positions.shape[0] >= count:
+            self.update_bounds(key[:count], slot_mapping, positions[:count], k_pages, k_scale)
+
+    def update_bounds(self, key, slot_mapping, positions, k_pages, k_scale: float = 1.0) -> None:
+        """Fold ``key [T, num_kv_heads, head_size]`` (rotated at ``positions [T]``, written at
+        ``slot_mapping [T]``, negative = padding) into the far-page bounds, as the cache holds them
+        (an FP8 cache: quantized, then times ``k_scale``)."""
+        from fold.far_pages import update_bounds
+
+        bounds = self.bounds_for(k_pages)
+        if self.cache_dtype is not None:
+            key = (key.to(torch.float32) / k_scale).to(self.cache_dtype).to(torch.float32) * k_scale
+        update_bounds(bounds, key, far_page=k_pages.shape[1], slot_mapping=slot_mapping, positions=positions.long(),
+                      keys_rotated=True, rope=self.rope)
 
     def stored(self, x: torch.Tensor, scale: float, stored_dtype: torch.dtype) -> torch.Tensor:
         """``x`` as the cache stores it: ``x / scale`` in FP8 (viewed as the cache's uint8), else cast."""

@@ -4,6 +4,7 @@ vLLM hands the drafter's config.json to the drafter model (the speculative confi
 ``hf_overrides`` reach the target only), so that is where the choice lives::
 
     "fold": {"read": "fold", "window": 2048, "alpha": 2.0}
+    "fold": {"read": "fold", "window": 2048, "alpha": 2.0, "far_budget": 1024}     # "far_page": block size
     "fold": {"read": "window", "window": 2048}
     "fold": {"read": "rerope", "window": 2048, "training_length": 4096}
     "fold": {"read": "stock"}
@@ -11,7 +12,10 @@ vLLM hands the drafter's config.json to the drafter model (the speculative confi
 No block (or ``"read": "stock"``) leaves vLLM's own drafter read in place. Every read also takes
 ``"backend"``: ``"auto"`` (default: fold's Triton kernels on CUDA, its torch path on a CPU),
 ``"triton"`` (the kernels; on a CPU only under ``TRITON_INTERPRET=1``, which then runs exactly the
-launches a GPU would) or ``"torch"``. A block with a bad value stops the engine at start with a
+launches a GPU would) or ``"torch"``. ``"far_budget"`` N (``fold`` only) has the far branch read at
+most ``N // far_page`` pages per request and KV head, chosen by per-page key bounds the backend keeps
+beside the cache; ``"far_page"`` must equal the drafter cache's block size (its pages are the far
+pages) and defaults to it. A block with a bad value stops the engine at start with a
 ``ValueError`` naming the field, raised in the process the user started (:func:`check_engine_config`).
 This module imports no vLLM.
 """
@@ -29,7 +33,7 @@ from pathlib import Path
 from fold.attention import BACKENDS, MAX_ALPHA
 
 READS = ("fold", "window", "rerope", "stock")
-_FIELDS = {"fold": {"read", "window", "alpha", "backend"}, "window": {"read", "window", "backend"},
+_FIELDS = {"fold": {"read", "window", "alpha", "backend", "far_budget", "far_page"}, "window": {"read", "window", "backend"},
            "rerope": {"read", "window", "training_length", "backend"}, "stock": {"read"}}
 
 
@@ -37,13 +41,32 @@ _FIELDS = {"fold": {"read", "window", "alpha", "backend"}, "window": {"read", "w
 class ServeRead:
     """A validated ``fold`` block: ``read`` in :data:`READS`; ``window`` W (context entries kept at exact
     positions); ``alpha`` (``fold`` only); ``training_length`` (``rerope``'s query scaling
-    ``max(1, log(p + 1) / log(training_length))``); ``backend`` (``fold.attention``'s)."""
+    ``max(1, log(p + 1) / log(training_length))``); ``backend`` (``fold.attention``'s); ``far_budget``
+    (``fold`` only: None reads every far entry, N at most ``N // far_page`` far pages) and ``far_page``
+    (None: the cache's block size, which it must equal)."""
 
     read: str = "stock"
     window: int = 0
     alpha: float = 1.0
     training_length: int = 4096
     backend: str = "auto"
+    far_budget: int | None = None
+    far_page: int | None = None
+
+    def check_pages(self, block_size: int, n_q: int | None = None) -> None:
+        """``far_page`` against the drafter cache's ``block_size``, and ``far_budget`` against the pages a
+        block of ``n_q`` query rows straddles (``ValueError`` naming the field)."""
+        if self.far_budget is None:
+            return
+        if self.far_page is not None and self.far_page != block_size:
+            raise ValueError(f"fold.far_page must equal the drafter cache's block size {block_size} (its pages are "
+                             f"the far pages), got {self.far_page}")
+        if n_q is not None:
+            need = -(-(n_q - 1) // block_size) + 1
+            if self.far_budget // block_size < need:
+                raise ValueError(f"fold.far_budget must hold at least {need} pages of {block_size} entries for a "
+                                 f"draft block of {n_q} rows (the pages its rows straddle are always read), i.e. "
+                                 f">= {need * block_size}; got {self.far_budget}")
 
     @property
     def active(self) -> bool:
@@ -82,7 +105,13 @@ def parse_block(block) -> ServeRead:
     backend = block.get("backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"fold.backend must be one of {BACKENDS}, got {backend!r}")
-    return ServeRead(read, window, float(alpha), training_length, backend)
+    far_budget, far_page = block.get("far_budget"), block.get("far_page")
+    for name, value in (("far_budget", far_budget), ("far_page", far_page)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"fold.{name} must be an integer >= 1, got {value!r}")
+    if far_page is not None and far_budget is None:
+        raise ValueError("fold.far_page sizes the pages of far_budget; give far_budget too")
+    return ServeRead(read, window, float(alpha), training_length, backend, far_budget, far_page)
 
 
 def read_of(hf_config) -> ServeRead:
@@ -91,7 +120,7 @@ def read_of(hf_config) -> ServeRead:
 
 
 def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, training_length=None, backend=None,
-              max_model_len=None, raise_max_position=False) -> Path:
+              far_budget=None, far_page=None, max_model_len=None, raise_max_position=False) -> Path:
     """Write ``out_dir``: the drafter of ``drafter_dir`` with a ``fold`` block in its config.json (every
     other file linked, not copied), so one checkpoint serves several reads. Returns ``out_dir``.
 
@@ -112,7 +141,7 @@ def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, tra
         raise ValueError(f"drafter_dir must hold a config.json, not found: {config_path}")
     block = {"read": read}
     for name, value in (("window", window), ("alpha", alpha), ("training_length", training_length),
-                        ("backend", backend)):
+                        ("backend", backend), ("far_budget", far_budget), ("far_page", far_page)):
         if value is not None:
             block[name] = value
     parse_block(block)                                                  # refuse a bad block before writing

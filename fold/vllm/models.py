@@ -126,6 +126,34 @@ def install(model: torch.nn.Module, vllm_config) -> int:
     return len(layers)
 
 
+def hand_context_positions(model: torch.nn.Module) -> None:
+    """Let fold's layers see the positions of the context keys the DFlash precompute writes.
+
+    vLLM's ``precompute_and_store_context_kv(states, positions, slot_mapping)`` writes each layer's
+    context keys, rotated at ``positions``, through ``do_kv_cache_update``, which is not handed the
+    positions; the far-page bounds are of un-rotated keys, so each fold layer is given them for the
+    duration of the call (:attr:`FoldAttentionImpl.context_positions`). The precompute runs outside
+    CUDA graphs (vLLM's own note), so this is plain Python around it."""
+    impls = [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), FoldAttentionImpl)]
+    if not any(impl.read.far_budget is not None for impl in impls):
+        return
+    for owner in {id(o): o for o in (model, getattr(model, "model", None)) if o is not None}.values():
+        precompute = getattr(owner, "precompute_and_store_context_kv", None)
+        if precompute is None or getattr(precompute, "_fold_positions", False):
+            continue
+
+        def wrapped(states, positions, *args, _precompute=precompute, **kwargs):
+            for impl in impls:
+                impl.context_positions = positions
+            try:
+                return _precompute(states, positions, *args, **kwargs)
+            finally:
+                for impl in impls:
+                    impl.context_positions = None
+        wrapped._fold_positions = True
+        owner.precompute_and_store_context_kv = wrapped
+
+
 def _config_causal(hf_config) -> bool | None:
     """A drafter config's own statement of its layers' causality (``is_causal``, ``dflash_config.causal``)."""
     stated = getattr(hf_config, "is_causal", None)
@@ -147,6 +175,9 @@ def check_engine_config(vllm_config) -> None:
     if not read.active:
         return
     cache_dtype_of(getattr(spec, "kv_cache_dtype", None) or vllm_config.cache_config.cache_dtype)
+    block_size = getattr(vllm_config.cache_config, "block_size", None)
+    if block_size is not None:                 # else the backend checks it against the cache's pages
+        read.check_pages(block_size, getattr(spec, "num_speculative_tokens", 0) + 1)
     limit = getattr(draft.hf_config, "max_position_embeddings", None)
     if limit is not None and vllm_config.model_config.max_model_len > limit:
         logger.warning(
@@ -167,7 +198,8 @@ def fold_class(arch: str) -> type:
 
         def __init__(self, *, vllm_config, prefix: str = ""):
             base.__init__(self, vllm_config=vllm_config, prefix=prefix)
-            install(self, vllm_config)
+            if install(self, vllm_config):
+                hand_context_positions(self)
 
         _CLASSES[arch] = type(f"Fold{arch}", (base,), {"__init__": __init__, "__module__": __name__})
     return _CLASSES[arch]

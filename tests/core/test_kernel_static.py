@@ -49,8 +49,11 @@ def test_every_launch_for_the_drafter_shapes_compiles_without_spills(report):
     assert max(r["config"]["num_splits"] for r in records if r["kernel"] == "stage1[far]") == 128
     assert {r["keys_rotated"] for r in records} == {False, True}
     # fold.tree_attention's cached read is a plain read: no prologue
-    assert {r["kernel"] for r in records} == {"prologue", "stage1[window]", "stage1[far]", "stage2",
-                                              "tree/stage1[plain]", "tree/stage2", "tree_fwd_kernel"}
+    assert {r["kernel"] for r in records} == {"prologue", "stage1[window]", "stage1[far]", "stage1[far-pages]",
+                                              "stage2", "tree/stage1[plain]", "tree/stage2", "tree_fwd_kernel"}
+    # the budgeted far read (a page list) of both key layouts, dense and served from vLLM's pages
+    budget = {(r["read"], r["keys_rotated"]) for r in records if r["kernel"] == "stage1[far-pages]"}
+    assert budget == {("fold-budget", False), ("fold-budget", True), ("serve-budget", True)}
     spilling = [static_report.format_row(r) for r in records if r["spill_stores"] or r["spill_loads"]]
     assert not spilling, "\n".join(spilling)
     assert returncode == 0

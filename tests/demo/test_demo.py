@@ -192,6 +192,64 @@ def test_draft_cutoff_reaches_every_drafter_row(monkeypatch):
     assert seen == [("AR", None), ("dflash", 0.4), ("fold", 0.4), ("dflash", 0.4)]
 
 
+def test_the_budget_row_is_fold_with_its_far_budget(monkeypatch):
+    seen = []
+    monkeypatch.setattr(spec, "generate", lambda *a, **k: seen.append(
+        (k["policy"], k.get("far_budget"), k.get("far_page"), k.get("window"))))
+    monkeypatch.setattr(spec, "autoregressive", lambda *a, **k: None)
+    rows = cli.make_rows("target", "drafter", "anchor", ["fold", cli.BUDGET_ROW], 64, 2.0, 256, far_budget=512,
+                         far_page=32)
+    for row in rows:
+        row.run(torch.zeros(1, 4, dtype=torch.long), 2)
+    assert [r.name for r in rows] == ["AR", "fold", "fold-budget"]
+    assert seen == [("fold", None, None, 64), ("fold", 512, 32, 64)]
+    assert cli.BUDGET_ROW in cli.PRESETS["default"]["rows"] and cli.BUDGET_ROW in cli.REAL_PRESETS["default"]["rows"]
+
+
+def test_the_budget_row_is_paired_against_fold():
+    """The fold-budget row's tau minus FOLD's on the same prompts, with its CI, in the records and the table."""
+    taus = {"AR": [1.0, 1.0, 1.0], "window": [1.5, 1.0, 2.0], "fold": [2.0, 3.0, 2.5], cli.BUDGET_ROW: [2.0, 2.5, 2.0]}
+    rows = []
+    for name, values in taus.items():
+        row = cli.Row(name, None)
+        row.taus, row.tpots = values, [[1.0]] * 3
+        rows.append(row)
+    records = {r["policy"]: r for r in cli._cell_records("code", 4096, rows)}
+    budget = records[cli.BUDGET_ROW]
+    assert budget["tau_minus_fold"] == pytest.approx(-1 / 3, abs=ROUNDED)
+    assert budget["tau_minus_fold_ci"] == [round(x, 4) for x in spec.bootstrap_ci([[0.0, -0.5, -0.5]])[1:]]
+    assert all("tau_minus_fold" not in r for name, r in records.items() if name != cli.BUDGET_ROW)
+    table = cli.format_table(list(records.values()))
+    assert "tau - FOLD (paired; the far budget's cost)" in table and "fold-budget" in table
+
+
+def test_a_far_budget_too_small_for_the_drafters_block_is_refused(monkeypatch, tmp_path, capsys):
+    """Checked against the drafter's block once it is loaded, before any run."""
+    drafter = type("D", (), {"cfg": type("C", (), {"rope": fold.Rope.from_theta(1e4, 16), "block_size": 16})()})()
+    monkeypatch.setattr(cli, "load_pair", lambda *a: ("target", drafter, None, None))
+    monkeypatch.setattr(cli, "run_comparison", lambda *a, **k: pytest.fail("nothing may run for a bad budget"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--rows", cli.BUDGET_ROW, "--far-budget", "64", "--far-page", "64", "--out", str(tmp_path / "o"),
+                  "--no-progress"])
+    assert info.value.code == 2
+    assert "far_budget must hold at least 2 pages of far_page=64 entries for a block of 16 rows" in \
+        capsys.readouterr().err
+
+
+def test_the_shipped_pair_is_lossless_with_a_far_budget(pair, held_ids):
+    pytest.importorskip("fold.far_pages")
+    target, drafter, _, tokenizer = pair
+    rng = random.Random(8)
+    prompts = [torch.tensor(data.code_prompt(held_ids, rng, 300)),
+               torch.tensor(data.retrieval_prompt(rng, tokenizer, 400, 200)[0])]
+    ids, mask = padded_batch(prompts)
+    opts = cli.policy_options(cli.BUDGET_ROW, window=32, alpha=2.0, train_len=64, far_budget=64, far_page=16)
+    out = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy="fold", **opts)
+    for b, p in enumerate(prompts):
+        expected = greedy_ar(target, p, 12)
+        assert torch.equal(out.sequences[b, :len(expected)], expected), f"row {b} differs from the target's greedy"
+
+
 def test_shift_read_at_zero_equals_the_plain_read(pair):
     _, drafter, _, _ = pair
     rope, cfg = drafter.cfg.rope, drafter.cfg
@@ -221,6 +279,8 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
     (["--alpha", "x"], "--alpha: expected a number"),
     (["--draft-cutoff", "1"], "--draft-cutoff: must lie in [0, 1), got 1.0"),
     (["--draft-cutoff", "-0.1"], "--draft-cutoff: must lie in [0, 1), got -0.1"),
+    (["--far-budget", "0"], "--far-budget: must be >= 1, got 0"),
+    (["--far-page", "0"], "--far-page: must be >= 1, got 0"),
     (["--artifacts", "/nonexistent/pair"], "must hold target/, drafter/, drafter_anchor/"),
 ])
 def test_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):

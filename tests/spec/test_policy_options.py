@@ -35,6 +35,14 @@ BAD = [
     ("cmr", dict(cmr_top=0), ValueError, "cmr_top must be an int >= 1, got 0"),
     ("fold", dict(windw=8), ValueError, "unknown policy options ['windw']"),
     ("dflash", dict(alpha=2.0, cmr_evry=3), ValueError, "unknown policy options ['cmr_evry']"),
+    ("fold", dict(far_budget=0), ValueError, "far_budget must be None (every far entry) or an int >= 1, got 0"),
+    ("fold", dict(far_budget=64.0), TypeError, "far_budget must be None (every far entry) or an int >= 1, got 64.0"),
+    ("fold", dict(far_budget=True), TypeError, "far_budget must be None (every far entry) or an int >= 1, got True"),
+    ("fold", dict(far_budget=64, far_page=0), ValueError, "far_page must be an int >= 1, got 0"),
+    ("window", dict(far_budget=64), ValueError, "far_budget applies to policy='fold' only"),
+    # a block of 4 rows straddles up to 2 pages of 4: a budget of one page cannot hold them
+    ("fold", dict(far_budget=7, far_page=4), ValueError, "far_budget must hold at least 2 pages of far_page=4 "
+                                                          "entries for a block of 4 rows"),
 ]
 
 
@@ -59,7 +67,7 @@ def test_yarn_needs_a_valid_request(request_, words):
         make_read("yarn", ROPE, request=request_)
 
 
-@pytest.mark.parametrize("policy, options, error, words", [BAD[0], BAD[3], BAD[13], BAD[17], BAD[20]])
+@pytest.mark.parametrize("policy, options, error, words", [BAD[0], BAD[3], BAD[13], BAD[17], BAD[20], BAD[-1]])
 def test_generate_checks_the_options_before_any_forward(tmp_path, monkeypatch, policy, options, error, words):
     target = make_target("llama", tmp_path / "t")
     drafter = spec.load_drafter(make_drafter(tmp_path / "d", target, "zlab"), target)

@@ -3,87 +3,31 @@ graph support declared), the page writes (padding slots, FP8 with the layer's sc
 against the reference."""
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-import fold
 from fold.vllm import compat
-from fold.vllm.backend import FAR_POSITION, FoldAttentionImpl, FoldMetadataBuilder, cache_pages
+from fold.vllm.backend import FAR_POSITION, FoldMetadataBuilder, cache_pages
 from fold.vllm.config import ServeRead
-from reference import apply_rope, fold_attention_ref
+from reference import fold_attention_ref
 from reference.tolerance import check_close
 from tests.helpers import HostReads
-
-HQ, HKV, D, PAGE, BLOCKS = 4, 2, 64, 16, 24
-ROPE = fold.Rope.from_theta(1e4, D)
-
-
-def _batch(seq_lens, n_q, seed=0, dtype=torch.float32):
-    """A drafting batch as vLLM hands it over: the pages (cache tensor [blocks, Hkv, page, 2d]), the
-    metadata, rotated queries, and the dense truth of each sequence's keys and values."""
-    g = torch.Generator().manual_seed(seed)
-    batch = len(seq_lens)
-    max_blocks = -(-max(seq_lens) // PAGE)
-    order = torch.randperm(BLOCKS - 1, generator=g)[:batch * max_blocks] + 1       # page 0: vLLM's null block
-    table = order.view(batch, max_blocks).to(torch.int32)
-    keys = [torch.randn(n, HKV, D, generator=g) for n in seq_lens]
-    values = [torch.randn(n, HKV, D, generator=g) for n in seq_lens]
-    keys = [apply_rope(k, torch.arange(len(k))[:, None], ROPE.inv_freq, rotary_dim=D) for k in keys]
-    q = torch.randn(batch * n_q, HQ, D, generator=g)
-    positions = torch.cat([torch.arange(n - n_q, n) for n in seq_lens])
-    q = apply_rope(q, positions[:, None], ROPE.inv_freq, rotary_dim=D).to(dtype)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    cad = compat.CommonAttentionMetadata(
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_q,
-        query_start_loc_cpu=torch.arange(batch + 1, dtype=torch.int32) * n_q, seq_lens=seq, num_reqs=batch,
-        num_actual_tokens=batch * n_q, max_query_len=n_q, max_seq_len=max(seq_lens), block_table_tensor=table,
-        slot_mapping=torch.zeros(batch * n_q, dtype=torch.int64), causal=False)
-    return q, keys, values, cad
-
-
-def _slots(table, lengths):
-    """Slot of every entry ``j < length`` of each sequence, in order (page * PAGE + offset)."""
-    return torch.cat([table[b, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE
-                      for b, n in enumerate(lengths)])
-
-
-def _impl(read, dtype="auto", sliding=None, causal=False, sinks=None):
-    return FoldAttentionImpl(HQ, D, D ** -0.5, HKV, read=read, rope=ROPE, kv_cache_dtype=dtype,
-                             sliding_window=sliding, causal=causal, sinks=sinks)
-
-
-def _layer(k_scale=1.0, v_scale=1.0):
-    return SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale, layer_name="model.layers.0.self_attn.attn")
-
-
-def _write_all(impl, layer, kv_cache, keys, values, table):
-    """The keys and values written through do_kv_cache_update as vLLM does, with padding slots."""
-    slots = _slots(table, [len(k) for k in keys])
-    pad = torch.full((5,), -1, dtype=torch.int64)
-    key, value = torch.cat(keys), torch.cat(values)
-    impl.do_kv_cache_update(layer, torch.cat([key, key[:5]]), torch.cat([value, value[:5]]), kv_cache,
-                            torch.cat([slots, pad]))
-
-
-def _empty_cache(dtype):
-    return torch.full((BLOCKS, HKV, PAGE, 2 * D), 0, dtype=torch.uint8) if dtype.startswith("fp8") else \
-        torch.full((BLOCKS, HKV, PAGE, 2 * D), float("nan"), dtype=torch.float32)
-
+from tests.vllm.backend_fixtures import (BLOCKS, D, HKV, HQ, PAGE, ROPE, empty_cache, fake_layer, make_batch,
+                                         make_impl, slots_of, write_all)
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_page_writes_land_at_their_slots_and_padding_changes_nothing(cache_dtype):
     """Every valid row lands at its slot, quantized as ``x / scale`` for FP8; padding (slot -1) rewrites
     only slot 0 with what it held; nothing else changes."""
-    q, keys, values, cad = _batch([37, 50], 4)
-    impl, layer = _impl(ServeRead("fold", 8, 2.0), cache_dtype), _layer(0.5, 2.0)
-    kv_cache = _empty_cache(cache_dtype)
+    q, keys, values, cad = make_batch([37, 50], 4)
+    impl, layer = make_impl(ServeRead("fold", 8, 2.0), cache_dtype), fake_layer(0.5, 2.0)
+    kv_cache = empty_cache(cache_dtype)
     kv_cache[0] = 7 if cache_dtype != "auto" else 3.25                     # slot 0 holds something
     before = kv_cache.clone()
-    _write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     k_pages, v_pages = cache_pages(kv_cache, D, impl.cache_dtype)
-    slots = _slots(cad.block_table_tensor, [37, 50])
+    slots = slots_of(cad.block_table_tensor, [37, 50])
     got_k, got_v = k_pages[slots // PAGE, slots % PAGE].float(), v_pages[slots // PAGE, slots % PAGE].float()
     want_k, want_v = torch.cat(keys), torch.cat(values)
     if impl.cache_dtype is not None:
@@ -108,11 +52,11 @@ def test_every_read_over_the_written_pages_equals_the_reference(read, cache_dtyp
     """forward() of a drafting batch (written through do_kv_cache_update, FP8 with the layer's scales)
     against fold_attention_ref on the cache as stored (dequantized): both backends, sinks merged."""
     read = ServeRead(read.read, read.window, read.alpha, read.training_length, backend)
-    q, keys, values, cad = _batch([37, 60, 4], 4)
+    q, keys, values, cad = make_batch([37, 60, 4], 4)
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3))
-    impl, layer = _impl(read, cache_dtype, sliding, causal=sliding is not None, sinks=sinks), _layer(0.75, 1.5)
-    kv_cache = _empty_cache(cache_dtype)
-    _write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    impl, layer = make_impl(read, cache_dtype, sliding, causal=sliding is not None, sinks=sinks), fake_layer(0.75, 1.5)
+    kv_cache = empty_cache(cache_dtype)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
     output = torch.full_like(q, float("nan"))
     impl.forward(layer, q, None, None, kv_cache, meta, output)
@@ -121,7 +65,7 @@ def test_every_read_over_the_written_pages_equals_the_reference(read, cache_dtyp
     assert (k_scale, v_scale) == ((0.75, 1.5) if cache_dtype.startswith("fp8") else (1.0, 1.0))
     dense = [torch.zeros(3, 60, HKV, D) for _ in range(2)]
     for b, n in enumerate([37, 60, 4]):
-        slots = _slots(cad.block_table_tensor[b:b + 1], [n])
+        slots = slots_of(cad.block_table_tensor[b:b + 1], [n])
         dense[0][b, :n] = k_pages[slots // PAGE, slots % PAGE].float() * k_scale
         dense[1][b, :n] = v_pages[slots // PAGE, slots % PAGE].float() * v_scale
     qb = q.view(3, 4, HQ, D)
@@ -143,7 +87,7 @@ def test_the_builder_declares_uniform_batch_graphs_and_in_place_updates():
     """What V2's DFlash speculator reads before capturing its draft step in a FULL_DECODE_ONLY graph."""
     assert FoldMetadataBuilder.get_cudagraph_support(None, None) == compat.AttentionCGSupport.UNIFORM_BATCH
     assert FoldMetadataBuilder.supports_draft_decode_metadata_update
-    q, keys, values, cad = _batch([37, 50], 4)
+    q, keys, values, cad = make_batch([37, 50], 4)
     builder = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu"))
     meta = builder.build(0, cad)
     # the metadata aliases vLLM's persistent buffers: a captured graph reads each step's values
@@ -157,11 +101,11 @@ def test_a_drafting_step_compiles_as_one_graph_without_host_syncs(read):
     """build, do_kv_cache_update and forward of a uniform batch under torch.compile(fullgraph=True),
     which refuses data-dependent Python (``.tolist()``, ``.item()``, ``bool(tensor)``, boolean masks):
     the same code runs eagerly and compiled, with equal results."""
-    q, keys, values, cad = _batch([37, 50], 4)
+    q, keys, values, cad = make_batch([37, 50], 4)
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(5))
-    impl, layer = _impl(read, sliding=24, causal=True, sinks=sinks), _layer()
+    impl, layer = make_impl(read, sliding=24, causal=True, sinks=sinks), fake_layer()
     new_k, new_v = torch.randn(8, HKV, D), torch.randn(8, HKV, D)
-    slots = torch.cat([_slots(cad.block_table_tensor, [37, 50])[[33, 34, 35, 36, 83, 84, 85]],
+    slots = torch.cat([slots_of(cad.block_table_tensor, [37, 50])[[33, 34, 35, 36, 83, 84, 85]],
                        torch.tensor([-1])])                                   # the block's rows, and padding
     cad.slot_mapping = slots
 
@@ -172,8 +116,8 @@ def test_a_drafting_step_compiles_as_one_graph_without_host_syncs(read):
 
     caches = []
     for _ in range(2):
-        kv_cache = _empty_cache("auto")
-        _write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+        kv_cache = empty_cache("auto")
+        write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
         caches.append(kv_cache)
     eager = step(caches[0], q, torch.zeros_like(q))
     torch._dynamo.reset()
@@ -190,13 +134,13 @@ def test_a_drafting_step_compiles_as_one_graph_without_host_syncs(read):
 def test_a_drafting_step_on_the_gpu_code_path_reads_nothing_on_the_host(read, sliding, cache_dtype):
     """build, the page writes and forward of a uniform batch with fold's kernels (the path CUDA runs)
     read no tensor on the host: what V2's captured draft step needs."""
-    q, keys, values, cad = _batch([37, 50], 4)
-    cad.slot_mapping = torch.cat([_slots(cad.block_table_tensor, [37, 50])[[33, 34, 35, 36, 83, 84, 85]],
+    q, keys, values, cad = make_batch([37, 50], 4)
+    cad.slot_mapping = torch.cat([slots_of(cad.block_table_tensor, [37, 50])[[33, 34, 35, 36, 83, 84, 85]],
                                   torch.tensor([-1])])
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(5))
-    impl, layer = _impl(read, cache_dtype, sliding, causal=sliding is not None, sinks=sinks), _layer(0.5, 2.0)
-    kv_cache = _empty_cache(cache_dtype)
-    _write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    impl, layer = make_impl(read, cache_dtype, sliding, causal=sliding is not None, sinks=sinks), fake_layer(0.5, 2.0)
+    kv_cache = empty_cache(cache_dtype)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     output = torch.zeros_like(q)
     with HostReads() as reads:
         meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)

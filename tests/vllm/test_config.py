@@ -16,6 +16,9 @@ from fold.vllm import ServeRead, configure, parse_block
     ({"read": "rerope", "window": 16, "training_length": 512}, ServeRead("rerope", 16, 1.0, 512)),
     ({"read": "fold", "window": 16, "backend": "triton"}, ServeRead("fold", 16, 2.0, backend="triton")),
     ({"read": "window", "window": 16, "backend": "torch"}, ServeRead("window", 16, 1.0, backend="torch")),
+    ({"read": "fold", "window": 16, "far_budget": 1024}, ServeRead("fold", 16, 2.0, far_budget=1024)),
+    ({"read": "fold", "window": 16, "far_budget": 64, "far_page": 16},
+     ServeRead("fold", 16, 2.0, far_budget=64, far_page=16)),
 ])
 def test_blocks_parse(block, want):
     got = parse_block(block)
@@ -35,6 +38,13 @@ def test_blocks_parse(block, want):
     ({"read": "rerope", "window": 8, "training_length": 1}, "fold.training_length must be an integer >= 2"),
     ({"read": "fold", "window": 8, "backend": "cuda"}, "fold.backend must be one of ('auto', 'torch', 'triton')"),
     ({"read": "stock", "backend": "torch"}, "fold.backend is not a field of read='stock'"),
+    ({"read": "fold", "window": 8, "far_budget": 0}, "fold.far_budget must be an integer >= 1, got 0"),
+    ({"read": "fold", "window": 8, "far_budget": 64.0}, "fold.far_budget must be an integer >= 1, got 64.0"),
+    ({"read": "fold", "window": 8, "far_budget": True}, "fold.far_budget must be an integer >= 1, got True"),
+    ({"read": "fold", "window": 8, "far_budget": 64, "far_page": 0}, "fold.far_page must be an integer >= 1"),
+    ({"read": "fold", "window": 8, "far_page": 16}, "fold.far_page sizes the pages of far_budget"),
+    ({"read": "window", "window": 8, "far_budget": 64}, "fold.far_budget is not a field of read='window'"),
+    ({"read": "rerope", "window": 8, "far_budget": 64}, "fold.far_budget is not a field of read='rerope'"),
 ])
 def test_bad_blocks_name_the_field(block, words):
     with pytest.raises(ValueError) as info:
@@ -92,3 +102,33 @@ def test_raising_the_length_of_a_dynamic_ntk_drafter_is_refused(tmp_path):
     with pytest.raises(ValueError, match="dynamic NTK RoPE"):
         configure(src, tmp_path / "a", read="fold", window=64, max_model_len=32768, raise_max_position=True)
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("read, block_size, n_q, words", [
+    (ServeRead("fold", 8, 2.0, far_budget=64, far_page=32), 16, 8,
+     "fold.far_page must equal the drafter cache's block size 16 (its pages are the far pages), got 32"),
+    (ServeRead("fold", 8, 2.0, far_budget=16), 16, 8,         # 8 rows can straddle 2 pages of 16
+     "fold.far_budget must hold at least 2 pages of 16 entries for a draft block of 8 rows"),
+    (ServeRead("fold", 8, 2.0, far_budget=40), 16, 20, "at least 3 pages of 16 entries"),
+])
+def test_far_pages_are_checked_against_the_cache(read, block_size, n_q, words):
+    with pytest.raises(ValueError) as info:
+        read.check_pages(block_size, n_q)
+    assert words in str(info.value)
+
+
+def test_far_pages_that_fit_the_cache_pass():
+    ServeRead("fold", 8, 2.0, far_budget=32).check_pages(16, 8)                  # far_page: the block size
+    ServeRead("fold", 8, 2.0, far_budget=32, far_page=16).check_pages(16, 17)
+    ServeRead("fold", 8, 2.0).check_pages(16, 64)                                  # no budget: nothing to check
+
+
+def test_configure_writes_the_far_budget(tmp_path):
+    src = tmp_path / "drafter"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    out = configure(src, tmp_path / "drafter-budget", read="fold", window=64, far_budget=1024, far_page=16)
+    assert json.loads((out / "config.json").read_text())["fold"] == {"read": "fold", "window": 64, "far_budget": 1024,
+                                                                     "far_page": 16}
+    with pytest.raises(ValueError, match="fold.far_budget must be an integer >= 1"):
+        configure(src, tmp_path / "bad", read="fold", window=64, far_budget=-1)

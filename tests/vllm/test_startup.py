@@ -121,6 +121,21 @@ def test_the_engine_config_check_names_the_field_the_cache_dtype_and_the_drafter
     assert caplog.text == ""
 
 
+def test_the_engine_config_check_holds_far_pages_to_the_cache_blocks():
+    """far_page must be the drafter cache's block size, and the budget hold the pages a draft block of
+    num_speculative_tokens + 1 rows straddles; checked where vLLM's config is made."""
+    def config(block, block_size, k):
+        c = _config(SimpleNamespace(fold=dict(read="fold", window=8, **block)))
+        c.cache_config.block_size, c.speculative_config.num_speculative_tokens = block_size, k
+        return c
+    with pytest.raises(ValueError, match="fold.far_page must equal the drafter cache's block size 16"):
+        check_engine_config(config(dict(far_budget=128, far_page=64), 16, 7))
+    with pytest.raises(ValueError, match="fold.far_budget must hold at least 2 pages of 16 entries"):
+        check_engine_config(config(dict(far_budget=16), 16, 7))
+    check_engine_config(config(dict(far_budget=32), 16, 7))
+    check_engine_config(config(dict(far_budget=32), None, 7))           # no block size yet: the backend checks
+
+
 def test_every_vllm_name_fold_uses_is_in_the_installed_vllm():
     """tuning/check_vllm_names.py (no vLLM import) on the installed tree: nothing missing or unbindable."""
     import vllm

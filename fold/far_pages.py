@@ -1,0 +1,307 @@
+"""``fold.far_pages``: per-page key bounds, so a budgeted FOLD read (``fold.attention(..., far_budget=N)``)
+reads only the far pages whose logits can matter.
+
+FOLD reads every far entry at one shared position with unrotated keys ``R_0 k``, so a bound on a far
+logit over a page of keys depends only on that page's keys. For each page (``far_page`` entries,
+page ``t`` = entries ``[t P, (t + 1) P)``) and KV head this module keeps the elementwise max and min of
+the page's keys (Quest's bound)::
+
+    bounds[..., 0, :] = max over the page's keys,  bounds[..., 1, :] = min      (float32)
+    q . k <= sum_i max(q_i * max_i, q_i * min_i)     for every key k of the page
+
+The keys are the unrotated, dequantized keys (``k * k_scale``; for a cache that stores ``R_j k_j`` the
+keys un-rotated at ``j``, without the rotary ``attention_factor``). A page with nothing written holds
+``(-inf, +inf)``. Layouts::
+
+    dense cache [batch, max_len, Hkv, d]        -> bounds [batch, ceil(max_len / P), Hkv, 2, d]
+    paged cache [num_blocks, P, Hkv, d]         -> bounds [num_blocks, Hkv, 2, d]   (by physical block)
+
+The index is append-only: :func:`update_bounds` folds each written chunk in place (no host sync, CUDA
+graph safe); :func:`page_bounds` builds it from scratch (what ``far_bounds=None`` does, ``O(L)`` a call).
+:func:`select_pages` is the selection rule, the one implementation the torch path and the Triton
+launcher share.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from fold.rope import Rope, rotate_with, work_dtype
+
+__all__ = ["empty_bounds", "page_bounds", "select_pages", "update_bounds"]
+
+# entries of keys turned into float32 per step of page_bounds (memory O(chunk) at any length)
+BOUNDS_CHUNK = 1 << 16
+
+
+def empty_bounds(num_pages: int, heads_kv: int, head_dim: int, *, batch: int | None = None,
+                 device=None) -> torch.Tensor:
+    """Bounds of pages with nothing written: ``(-inf, +inf)``.
+
+    Returns ``[batch, num_pages, heads_kv, 2, head_dim]`` float32 with ``batch`` (a dense cache), else
+    ``[num_pages, heads_kv, 2, head_dim]`` (a paged cache: ``num_pages = num_blocks``).
+    """
+    lead = (num_pages,) if batch is None else (batch, num_pages)
+    out = torch.empty(*lead, heads_kv, 2, head_dim, dtype=torch.float32, device=device)
+    out[..., 0, :] = float("-inf")
+    out[..., 1, :] = float("inf")
+    return out
+
+
+def _unrotated(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """``keys [..., Hkv, d]`` float32 stored as ``R_j k`` (factor included) at ``positions [...]`` -> ``k``."""
+    angle = positions.to(torch.float64)[..., None, None] * rope.inv_freq_on(keys.device).double()   # [..., 1, half]
+    f = rope.attention_factor
+    return rotate_with(keys, (torch.cos(angle) / f).to(keys.dtype), (torch.sin(angle) / f).to(keys.dtype), rope,
+                       inverse=True)
+
+
+def _keys_for_bounds(keys, positions, keys_rotated, rope, k_scale):
+    """Stored keys ``[..., Hkv, d]`` (any float dtype, FP8 included) -> the unrotated dequantized keys, float32."""
+    x = keys.to(torch.float32) * k_scale
+    if keys_rotated:
+        if rope is None:
+            raise ValueError("keys_rotated=True needs rope (the keys are un-rotated before their bounds are taken)")
+        x = _unrotated(x, positions, rope)
+    return x
+
+
+def _check_common(name, keys, far_page, keys_rotated, rope, k_scale):
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(keys).__name__}")
+    if isinstance(far_page, bool) or not isinstance(far_page, int):
+        raise TypeError(f"far_page must be an int, got {type(far_page).__name__}")
+    if far_page < 1:
+        raise ValueError(f"far_page must be >= 1, got {far_page}")
+    if not isinstance(keys_rotated, bool):
+        raise TypeError(f"keys_rotated must be a bool, got {type(keys_rotated).__name__}")
+    if rope is not None and not isinstance(rope, Rope):
+        raise TypeError(f"rope must be a fold.Rope or None, got {type(rope).__name__}")
+    if keys_rotated and rope is None:
+        raise ValueError("keys_rotated=True needs rope (the keys are un-rotated before their bounds are taken)")
+    if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real) or not k_scale > 0:
+        raise ValueError(f"k_scale must be a float > 0, got {k_scale!r}")
+
+
+def page_bounds(k: torch.Tensor, far_page: int, *, cache_seqlens=None, block_table=None, keys_rotated: bool = False,
+                rope: Rope | None = None, k_scale: float = 1.0) -> torch.Tensor:
+    """The bounds of every page of a cache, built from scratch (``O(L)``; keys read ``BOUNDS_CHUNK`` at a time).
+
+    Args:
+        k: dense ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, far_page, Hkv, d]`` with ``block_table``.
+        far_page: P, entries per page (with ``block_table``: the cache's page size).
+        cache_seqlens: [batch] valid lengths (entries at and beyond are not written). Default: ``max_len``.
+            Required with ``block_table``.
+        block_table: [batch, max_blocks] int32; only the pages holding entries ``< cache_seqlens[b]`` are
+            read (other entries may be garbage).
+        keys_rotated: ``k`` holds ``R_j k_j``; the bounds are of ``k_j`` (needs ``rope``).
+        k_scale: the cache holds ``k / k_scale`` (FP8); the bounds are of ``k``.
+
+    Returns:
+        dense ``[batch, ceil(max_len / P), Hkv, 2, d]``, paged ``[num_blocks, Hkv, 2, d]`` float32.
+    """
+    _check_common("k", k, far_page, keys_rotated, rope, k_scale)
+    if k.ndim != 4:
+        raise ValueError(f"k must have 4 dims, got {tuple(k.shape)}")
+    if block_table is not None:
+        return _paged_bounds(k, far_page, cache_seqlens, block_table, keys_rotated, rope, k_scale)
+    batch, max_len, heads_kv, head_dim = k.shape
+    num_pages = -(-max_len // far_page)
+    lengths = (torch.full((batch,), max_len, device=k.device) if cache_seqlens is None
+               else torch.as_tensor(cache_seqlens, device=k.device)).long()
+    out = torch.empty(batch, num_pages, heads_kv, 2, head_dim, dtype=torch.float32, device=k.device)
+    step = max(1, BOUNDS_CHUNK // far_page)                                              # pages per step
+    for p0 in range(0, num_pages, step):
+        p1 = min(p0 + step, num_pages)
+        e0, e1 = p0 * far_page, min(p1 * far_page, max_len)
+        j = torch.arange(e0, p1 * far_page, device=k.device)                           # padded to whole pages
+        x = _keys_for_bounds(k[:, e0:e1], j[:e1 - e0], keys_rotated, rope, k_scale)    # [B, N, Hkv, d]
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, p1 * far_page - e1))
+        written = (j[None, :] < lengths[:, None])[:, :, None, None]                    # [B, N, 1, 1]
+        x = x.view(batch, p1 - p0, far_page, heads_kv, head_dim)
+        written = written.view(batch, p1 - p0, far_page, 1, 1)
+        out[:, p0:p1, :, 0] = torch.where(written, x, float("-inf")).amax(2)
+        out[:, p0:p1, :, 1] = torch.where(written, x, float("inf")).amin(2)
+    return out
+
+
+def _paged_bounds(k, far_page, cache_seqlens, block_table, keys_rotated, rope, k_scale):
+    num_blocks, page_size, heads_kv, head_dim = k.shape
+    if page_size != far_page:
+        raise ValueError(f"far_page={far_page} must equal the cache's page size k.shape[1]={page_size}")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required with block_table (the pages hold no length)")
+    lengths = torch.as_tensor(cache_seqlens, device=k.device).long()
+    t = torch.arange(block_table.shape[1], device=k.device)
+    written = (lengths[:, None] - t[None, :] * far_page).clamp(0, far_page)          # [B, max_blocks] slots
+    used = written > 0
+    block = torch.where(used, block_table.long(), num_blocks).flatten()              # unused -> a spare row
+    count = torch.zeros(num_blocks + 1, dtype=torch.long, device=k.device)
+    count.scatter_reduce_(0, block, written.flatten(), "amax")
+    start = torch.zeros(num_blocks + 1, dtype=torch.long, device=k.device)             # the block's first position
+    start.scatter_reduce_(0, block, (t * far_page).expand_as(written).flatten(), "amax")
+    out = torch.empty(num_blocks, heads_kv, 2, head_dim, dtype=torch.float32, device=k.device)
+    step = max(1, BOUNDS_CHUNK // far_page)
+    slot = torch.arange(far_page, device=k.device)
+    for b0 in range(0, num_blocks, step):
+        b1 = min(b0 + step, num_blocks)
+        x = _keys_for_bounds(k[b0:b1], start[b0:b1, None] + slot, keys_rotated, rope, k_scale)   # [n, P, Hkv, d]
+        mask = (slot[None, :] < count[b0:b1, None])[:, :, None, None]
+        out[b0:b1, :, 0] = torch.where(mask, x, float("-inf")).amax(1)
+        out[b0:b1, :, 1] = torch.where(mask, x, float("inf")).amin(1)
+    return out
+
+
+def update_bounds(bounds: torch.Tensor, keys: torch.Tensor, *, far_page: int, positions=None, slot_mapping=None,
+                  batch_index=None, keys_rotated: bool = False, rope: Rope | None = None,
+                  k_scale: float = 1.0) -> None:
+    """Fold keys just written to the cache into ``bounds``, in place (torch ops only: no host sync).
+
+    A write at offset 0 of a page resets that page first (engines reuse pages), then every page's max
+    and min take the new keys. Negative slots (dense: negative positions) are skipped, as vLLM pads
+    ``slot_mapping``.
+
+    Args:
+        bounds: dense ``[batch, num_pages, Hkv, 2, d]`` or paged ``[num_blocks, Hkv, 2, d]`` float32.
+        keys: [T, Hkv, d] the written keys, as the cache stores them (any float dtype, FP8 included).
+        far_page: P.
+        positions: [T] int, the keys' positions in their sequence: dense caches (required), and paged
+            ones with ``keys_rotated`` (to un-rotate them).
+        slot_mapping: [T] int, paged caches: slot ``block * P + offset``.
+        batch_index: [T] int, dense caches: the sequence each key belongs to.
+        keys_rotated: ``keys`` are ``R_j k_j`` at ``positions`` (needs ``rope``).
+        k_scale: the cache holds ``k / k_scale``.
+    """
+    _check_common("keys", keys, far_page, keys_rotated, rope, k_scale)
+    if not isinstance(bounds, torch.Tensor) or bounds.dtype != torch.float32:
+        raise TypeError("bounds must be a float32 tensor (see fold.far_pages.empty_bounds)")
+    paged = slot_mapping is not None
+    if bounds.ndim != (4 if paged else 5) or bounds.shape[-2] != 2:
+        want = "[num_blocks, Hkv, 2, d] (with slot_mapping)" if paged else "[batch, num_pages, Hkv, 2, d]"
+        raise ValueError(f"bounds must have shape {want}, got {tuple(bounds.shape)}")
+    if keys.ndim != 3 or keys.shape[1:] != (bounds.shape[-3], bounds.shape[-1]):
+        raise ValueError(f"keys must have shape [T, Hkv={bounds.shape[-3]}, d={bounds.shape[-1]}], "
+                         f"got {tuple(keys.shape)}")
+    if paged:
+        slots = torch.as_tensor(slot_mapping, device=keys.device).long()
+        if keys_rotated and positions is None:
+            raise ValueError("keys_rotated=True with slot_mapping needs positions= (to un-rotate the keys)")
+        pos = slots if positions is None else torch.as_tensor(positions, device=keys.device).long()
+        valid = slots >= 0
+        row, offset = slots.clamp(min=0) // far_page, slots.clamp(min=0) % far_page
+        flat = bounds
+    else:
+        if positions is None or batch_index is None:
+            raise ValueError("a dense bounds tensor needs positions= and batch_index= (or pass slot_mapping=)")
+        pos = torch.as_tensor(positions, device=keys.device).long()
+        b = torch.as_tensor(batch_index, device=keys.device).long()
+        valid = pos >= 0
+        num_pages = bounds.shape[1]
+        row = b * num_pages + pos.clamp(min=0) // far_page
+        offset = pos.clamp(min=0) % far_page
+        flat = bounds.view(-1, *bounds.shape[2:])                                    # [batch * num_pages, ...]
+    for name, x in (("positions", pos), ("slot_mapping" if paged else "batch_index", row)):
+        if x.shape != keys.shape[:1]:
+            raise ValueError(f"{name} must have shape [T={keys.shape[0]}], got {tuple(x.shape)}")
+    row = torch.where(valid, row, 0)
+    # reset every page written at offset 0 (all its keys of this chunk agree on it, so the writes agree)
+    reset = torch.zeros(flat.shape[0], dtype=torch.int32, device=keys.device)
+    reset.index_put_((row,), (valid & (offset == 0)).int(), accumulate=True)
+    empty = torch.full((2, 1), float("inf"), device=keys.device)              # [2, 1]: (-inf, +inf); no host copy
+    empty[0] = float("-inf")
+    flat.index_put_((row,), torch.where(reset[row][:, None, None, None] > 0, empty, flat[row]))
+    x = _keys_for_bounds(keys, pos, keys_rotated, rope, k_scale)                              # [T, Hkv, d]
+    m = valid[:, None, None]
+    index = row[:, None, None].expand_as(x)
+    flat.select(-2, 0).scatter_reduce_(0, index, torch.where(m, x, float("-inf")), "amax")
+    flat.select(-2, 1).scatter_reduce_(0, index, torch.where(m, x, float("inf")), "amin")
+
+
+def far_queries(q: torch.Tensor, rope: Rope, cache_seqlens, *, window: int, max_len: int,
+                queries_rotated: bool) -> torch.Tensor:
+    """The block's queries turned to FOLD's far position, as the selection scores them (no host sync).
+
+    ``q [batch, n_q, Hq, d]`` (before RoPE, or ``R_{n+r} q`` with ``queries_rotated``; ``cache_seqlens [batch]``
+    or None for ``max_len`` gives ``n``) -> ``[batch, n_q, Hq, d]`` in the work dtype: row r rotated to
+    ``D + r`` (``D = window + n_q``), the rotary dims times the query's factor and the key's (the bounds
+    are of ``k``; the far branch reads ``R_0 k = f k``).
+    """
+    batch, n_q = q.shape[:2]
+    work = work_dtype(q.dtype)
+    r = torch.arange(n_q, device=q.device)
+    pos = (window + n_q + r)[None, :].expand(batch, n_q)
+    f = rope.attention_factor
+    factor = f if queries_rotated else f * f
+    if queries_rotated:                              # q at n + r: turn by D + r - (n + r)
+        lengths = (torch.full((batch,), max_len, device=q.device) if cache_seqlens is None
+                   else cache_seqlens.to(q.device)).long()
+        pos = pos - (lengths[:, None] - n_q + r[None, :])
+    angle = pos.to(torch.float64)[:, :, None, None] * rope.inv_freq_on(q.device).double()     # [B, n_q, 1, half]
+    return rotate_with(q.to(work), (torch.cos(angle) * factor).to(work), (torch.sin(angle) * factor).to(work), rope)
+
+
+def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, max_len: int, n_q: int, span: int,
+                 far_page: int, num_slots: int, scale: float, block_table=None) -> torch.Tensor:
+    """The pages a budgeted far read reads, per sequence and KV head (torch ops: no host sync).
+
+    Row r of sequence b (``L`` entries, ``n = L - n_q``) reads entry j as far memory iff ``j <= n + r - span``
+    (``span = window + n_q``, or a sliding layer's window). Per page t:
+
+    - straddlers (an entry far for some row but not for every row, or a page that also holds entries
+      that are not far) are always read;
+    - candidates (every entry far for every row: ``(t + 1) P <= n - span + 1``) are ranked by
+      ``bound(t) = scale * max over rows and the group's heads of sum_i max(q~_i max_i, q~_i min_i)``, ties
+      towards the lower page (a stable sort), and the top ``num_slots - #straddlers`` are read. A NaN
+      bound ranks as ``+inf`` (a page that cannot be bounded is read); an empty page as ``-inf``.
+
+    Args:
+        q_far: [batch, n_q, Hq, d] from :func:`far_queries`.
+        bounds: dense ``[batch, >= ceil(max_len / P), Hkv, 2, d]``, or paged ``[num_blocks, Hkv, 2, d]``
+            with ``block_table [batch, max_blocks]``.
+        cache_seqlens: [batch] int tensor, or None (every sequence holds ``max_len``).
+        num_slots: K, pages read per sequence and KV head (>= the straddlers: ``ceil((n_q - 1) / P) + 1``).
+        scale: ``softmax_scale * alpha`` (positive: it does not change the order).
+
+    Returns:
+        [batch, Hkv, K] int32 page indices (logical: page t = entries ``[t P, (t + 1) P)``), ascending,
+        then -1.
+    """
+    batch, _, heads_q, head_dim = q_far.shape
+    heads_kv = bounds.shape[-3]
+    num_pages = block_table.shape[1] if block_table is not None else -(-max_len // far_page)
+    q = q_far.view(batch, n_q, heads_kv, heads_q // heads_kv, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(batch, heads_kv, -1, head_dim).float()                                 # [B, Hkv, M, d]
+    q_pos, q_neg = q.clamp(min=0), q.clamp(max=0)
+    scores = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=q.device)
+    step = max(1, BOUNDS_CHUNK // far_page)
+    for t0 in range(0, num_pages, step):
+        t1 = min(t0 + step, num_pages)
+        if block_table is None:
+            page = bounds[:, t0:t1]                                                      # [B, T', Hkv, 2, d]
+        else:
+            page = bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)]
+        hi, lo = page[..., 0, :].float(), page[..., 1, :].float()                     # [B, T', Hkv, d]
+        s = torch.einsum("bhmd,bthd->bhmt", q_pos, hi) + torch.einsum("bhmd,bthd->bhmt", q_neg, lo)
+        s = s.amax(2) * scale                                                            # [B, Hkv, T']
+        s = torch.where(torch.isnan(s), float("inf"), s)
+        empty = (hi < lo).any(-1).transpose(1, 2)                                        # [B, Hkv, T']
+        scores[:, :, t0:t1] = torch.where(empty, float("-inf"), s)
+    lengths = (torch.full((batch,), max_len, device=q.device) if cache_seqlens is None
+               else cache_seqlens.to(q.device)).long()
+    win_lo = lengths - n_q - span + 1                 # [B] entries < win_lo are far for every row
+    far_hi = win_lo + n_q - 1                         # entries < far_hi are far for some row
+    t = torch.arange(num_pages, device=q.device)
+    candidate = ((t[None, :] + 1) * far_page <= win_lo[:, None])[:, None, :]              # [B, 1, T]
+    straddler = ((t[None, :] * far_page < far_hi[:, None])[:, None, :]) & ~candidate
+    key = torch.where(straddler, float("inf"), torch.where(candidate, scores, float("-inf")))
+    # stable: equal bounds keep page order; pages that are not far sort last among the -inf keys (they
+    # lie above every candidate), and are dropped below
+    order = torch.sort(-key, dim=-1, stable=True).indices[..., :num_slots]
+    keep = (candidate | straddler).expand(batch, heads_kv, num_pages).gather(-1, order)
+    pages = torch.sort(torch.where(keep, order, num_pages), dim=-1).values
+    pages = torch.where(pages == num_pages, -1, pages).to(torch.int32)
+    if num_slots > num_pages:
+        pages = torch.nn.functional.pad(pages, (0, num_slots - num_pages), value=-1)
+    return pages.contiguous()

@@ -1,0 +1,172 @@
+"""fold.far_pages: the per-page key bounds (built from scratch, updated in place) and the selection rule."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fold
+from fold import far_pages
+from reference.fold_attention import select_far_pages_ref
+from tests.helpers import Case, make_inputs, rope_of, to_pages
+
+
+
+def _exact_bounds(k, lengths, page):
+    """[B, T, Hkv, 2, d] by a Python loop over pages (float64 keys -> float32, as fold stores them)."""
+    batch, max_len, heads_kv, head_dim = k.shape
+    num_pages = -(-max_len // page)
+    out = far_pages.empty_bounds(num_pages, heads_kv, head_dim, batch=batch)
+    for b in range(batch):
+        for t in range(num_pages):
+            rows = k[b, t * page:min((t + 1) * page, lengths[b])].float()
+            if len(rows):
+                out[b, t, :, 0], out[b, t, :, 1] = rows.amax(0), rows.amin(0)
+    return out
+
+
+def test_empty_bounds_shapes_and_values():
+    dense = far_pages.empty_bounds(5, 2, 8, batch=3)
+    paged = far_pages.empty_bounds(7, 2, 8)
+    assert dense.shape == (3, 5, 2, 2, 8) and paged.shape == (7, 2, 2, 8) and dense.dtype == torch.float32
+    assert (dense[..., 0, :] == float("-inf")).all() and (paged[..., 1, :] == float("inf")).all()
+
+
+@settings(max_examples=20)
+@given(batch=st.integers(1, 3), max_len=st.integers(1, 120), page=st.sampled_from([1, 4, 16, 64]),
+       chunk=st.integers(1, 40), seed=st.integers(0, 1000))
+def test_update_over_appended_chunks_equals_bounds_from_scratch(batch, max_len, page, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, max_len, 2, 8, generator=g)
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=g)
+    scratch = far_pages.page_bounds(k, page, cache_seqlens=lengths)
+    assert torch.equal(scratch, _exact_bounds(k, lengths.tolist(), page))
+    # dense: every sequence appends chunk entries a step, all sequences in one call
+    grown = far_pages.empty_bounds(scratch.shape[1], 2, 8, batch=batch)
+    for c0 in range(0, max_len, chunk):
+        b, j = torch.meshgrid(torch.arange(batch), torch.arange(c0, min(c0 + chunk, max_len)), indexing="ij")
+        keep = j < lengths[:, None]
+        far_pages.update_bounds(grown, k[b[keep], j[keep]], far_page=page, positions=j[keep], batch_index=b[keep])
+    assert torch.equal(grown, scratch)
+    # paged: the same entries written through a slot mapping, bounds by physical block
+    pages, table = to_pages(k, lengths, page, g)
+    paged = far_pages.page_bounds(pages, page, cache_seqlens=lengths, block_table=table)
+    grown = far_pages.empty_bounds(pages.shape[0], 2, 8)
+    for c0 in range(0, max_len, chunk):
+        b, j = torch.meshgrid(torch.arange(batch), torch.arange(c0, min(c0 + chunk, max_len)), indexing="ij")
+        keep = j < lengths[:, None]
+        slots = table[b[keep], j[keep] // page].long() * page + j[keep] % page
+        far_pages.update_bounds(grown, k[b[keep], j[keep]], far_page=page, slot_mapping=slots)
+    for bi in range(batch):
+        for t in range(-(-int(lengths[bi]) // page)):
+            assert torch.equal(paged[table[bi, t]], scratch[bi, t])
+            assert torch.equal(grown[table[bi, t]], scratch[bi, t])
+
+
+def test_a_write_at_offset_zero_resets_a_reused_page():
+    bounds = far_pages.empty_bounds(4, 1, 4)
+    big = torch.full((8, 1, 4), 100.0)
+    far_pages.update_bounds(bounds, big, far_page=8, slot_mapping=torch.arange(16, 24))    # block 2 filled
+    small = torch.randn(3, 1, 4)
+    far_pages.update_bounds(bounds, small, far_page=8, slot_mapping=torch.tensor([16, 17, 18]))  # block 2 reused
+    assert torch.equal(bounds[2, :, 0], small.amax(0)) and torch.equal(bounds[2, :, 1], small.amin(0))
+    # an append that does not touch offset 0 keeps what is there
+    more = torch.randn(2, 1, 4)
+    far_pages.update_bounds(bounds, more, far_page=8, slot_mapping=torch.tensor([19, 20]))
+    assert torch.equal(bounds[2, :, 0], torch.cat([small, more]).amax(0))
+    assert torch.isinf(bounds[[0, 1, 3]]).all()                                        # untouched blocks
+
+
+def test_negative_slots_are_skipped():
+    bounds = far_pages.empty_bounds(3, 2, 4)
+    keys = torch.randn(5, 2, 4)
+    keys[1] = 1e6                                                                          # a padded entry
+    slots = torch.tensor([0, -1, 1, -1, 5])
+    far_pages.update_bounds(bounds, keys, far_page=4, slot_mapping=slots)
+    real = keys[[0, 2, 4]]
+    assert torch.equal(bounds[0, :, 0], real[:2].amax(0)) and torch.equal(bounds[1, :, 1], real[2])
+    assert torch.isinf(bounds[2]).all() and bounds[..., 0, :].max() < 1e6
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotated_keys_give_the_bounds_of_the_unrotated_keys(interleaved):
+    case = Case(batch=2, max_len=70, heads_kv=2, head_dim=32, rotary_dim=16, interleaved=interleaved,
+                attention_factor=1.25, seed=3)
+    _, k, _, _ = make_inputs(case)
+    _, k_rot, _, _ = make_inputs(case.with_(keys_rotated=True))                # R_j k_j, factor included
+    rope = rope_of(case)
+    lengths = torch.tensor([70, 33])
+    want = far_pages.page_bounds(k, 16, cache_seqlens=lengths)
+    got = far_pages.page_bounds(k_rot, 16, cache_seqlens=lengths, keys_rotated=True, rope=rope)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    grown = far_pages.empty_bounds(5, 2, 32, batch=2)
+    for b, length in enumerate(lengths.tolist()):
+        j = torch.arange(length)
+        far_pages.update_bounds(grown, k_rot[b, :length], far_page=16, positions=j, batch_index=torch.full_like(j, b),
+                                keys_rotated=True, rope=rope)
+    torch.testing.assert_close(grown[finite], want[finite], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isfinite(grown), finite)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_keys_give_the_bounds_of_the_dequantized_keys(fp8):
+    k8 = (torch.randn(1, 40, 1, 8) / 0.5).to(fp8)
+    got = far_pages.page_bounds(k8, 8, k_scale=0.5)
+    assert torch.equal(got, far_pages.page_bounds(k8.float() * 0.5, 8))
+
+
+def test_bad_arguments_name_themselves():
+    k = torch.randn(1, 16, 1, 8)
+    with pytest.raises(ValueError, match="far_page"):
+        far_pages.page_bounds(k, 0)
+    with pytest.raises(TypeError, match="far_page"):
+        far_pages.page_bounds(k, 2.0)
+    with pytest.raises(ValueError, match="rope"):
+        far_pages.page_bounds(k, 4, keys_rotated=True)
+    with pytest.raises(ValueError, match="positions"):
+        far_pages.update_bounds(far_pages.empty_bounds(4, 1, 8, batch=1), k[0], far_page=4)
+    with pytest.raises(ValueError, match="keys"):
+        far_pages.update_bounds(far_pages.empty_bounds(4, 2, 8), k[0], far_page=4, slot_mapping=torch.arange(16))
+    with pytest.raises(TypeError, match="bounds"):
+        far_pages.update_bounds(torch.zeros(4, 1, 2, 8, dtype=torch.float64), k[0], far_page=4,
+                                slot_mapping=torch.arange(16))
+
+
+@settings(max_examples=20)
+@given(n_q=st.sampled_from([1, 3, 7]), page=st.sampled_from([1, 4, 16]), group=st.integers(1, 3),
+       queries_rotated=st.booleans(), keys_rotated=st.booleans(), slots=st.integers(0, 6), seed=st.integers(0, 999))
+def test_select_pages_agrees_with_the_reference_rule(n_q, page, group, queries_rotated, keys_rotated, slots, seed):
+    case = Case(batch=2, n_q=n_q, heads_kv=2, group=group, max_len=150, seqlens=(150, 61), window=9,
+                attention_factor=1.25, keys_rotated=keys_rotated, queries_rotated=queries_rotated, seed=seed)
+    q, k, _, seqlens = make_inputs(case)
+    rope = rope_of(case)
+    span = case.window + n_q
+    budget = (-(-(n_q - 1) // page) + 1 + slots) * page
+    bounds = far_pages.page_bounds(k, page, cache_seqlens=seqlens, keys_rotated=keys_rotated, rope=rope)
+    q_far = far_pages.far_queries(q, rope, seqlens, window=case.window, max_len=case.max_len,
+                                  queries_rotated=queries_rotated)
+    got = far_pages.select_pages(q_far, bounds, seqlens, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
+                                 num_slots=budget // page, scale=0.3)
+    for b, length in enumerate(case.seqlens):
+        want = select_far_pages_ref(q[b], k[b, :length], n=length - n_q, span=span, window=case.window, rope=rope,
+                                    scale=0.3, far_budget=budget, far_page=page, keys_rotated=keys_rotated,
+                                    queries_rotated=queries_rotated)
+        for h in range(2):
+            listed = got[b, h][got[b, h] >= 0].tolist()
+            assert listed == sorted(listed)
+            assert listed == torch.nonzero(want[h]).flatten().tolist(), (b, h)
+
+
+def test_ties_go_to_the_lower_page():
+    """Pages with identical keys have equal bounds: the lowest-indexed ones are read, every time."""
+    k = torch.randn(1, 1, 1, 8).expand(1, 128, 1, 8).contiguous()
+    q = torch.randn(1, 1, 1, 8)
+    rope = fold.Rope.from_theta(10000.0, 8)
+    bounds = far_pages.page_bounds(k, 8)
+    q_far = far_pages.far_queries(q, rope, None, window=0, max_len=128, queries_rotated=False)
+    for _ in range(3):
+        got = far_pages.select_pages(q_far, bounds, None, max_len=128, n_q=1, span=1, far_page=8, num_slots=3,
+                                     scale=1.0)
+        assert got.tolist() == [[[0, 1, 15]]]              # page 15 holds the block: always read

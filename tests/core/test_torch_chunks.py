@@ -1,0 +1,36 @@
+"""The torch path's chunked reads merged in groups: with 64-entry chunks and three states kept before
+a merge, every rotated, gathered or budgeted segment is many chunks merged group by group."""
+
+import pytest
+import torch
+
+import fold
+import fold._torch_backend as torch_backend
+from reference import fold_attention_ref
+from tests.helpers import Case, assert_close, check_against_reference, kwargs_of, make_inputs, to_pages
+
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(torch_backend, "MERGE_STATES", 3)
+
+
+@pytest.mark.parametrize("keys_rotated", [False, True])
+def test_grouped_merges_match_the_reference(small_chunks, keys_rotated):
+    check_against_reference(Case(batch=2, n_q=7, heads_kv=2, group=3, max_len=1500, seqlens=(1500, 700), window=40,
+                                 keys_rotated=keys_rotated, attention_factor=1.25), backend="torch")
+
+
+def test_grouped_merges_of_gathered_pages_and_budgets(small_chunks):
+    case = Case(batch=2, n_q=4, heads_kv=2, group=2, max_len=1200, seqlens=(1200, 500), window=24, keys_rotated=True)
+    q, k, v, seqlens = make_inputs(case, pad=0.0)
+    kw = kwargs_of(case, seqlens)
+    (kp, table), (vp, _) = (to_pages(x, seqlens, 16, torch.Generator().manual_seed(4)) for x in (k, v))
+    for budget in (None, 640):
+        ref = dict(far_budget=budget, far_page=16) if budget else {}
+        truth = fold_attention_ref(q, k, v, **kw, **ref)
+        twin = fold_attention_ref(q, k, v, **kw, **ref, upcast=False)
+        out = fold.attention(q, kp, vp, **kw, block_table=table, **ref, backend="torch")
+        assert_close(f"paged, far_budget={budget}", out, truth[0], twin[0], case.dtype)
