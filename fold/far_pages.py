@@ -34,6 +34,8 @@ __all__ = ["empty_bounds", "page_bounds", "select_pages", "update_bounds"]
 
 # entries of keys turned into float32 per step of page_bounds (memory O(chunk) at any length)
 BOUNDS_CHUNK = 1 << 16
+# the selection's shortlist (:func:`shortlist_size`): pages ranked by their exact bound per page read
+SHORTLIST_PER_SLOT, SHORTLIST_MIN = 8, 256
 
 
 def empty_bounds(num_pages: int, heads_kv: int, head_dim: int, *, batch: int | None = None,
@@ -242,6 +244,13 @@ def far_queries(q: torch.Tensor, rope: Rope, cache_seqlens, *, window: int, max_
     return rotate_with(q.to(work), (torch.cos(angle) * factor).to(work), (torch.sin(angle) * factor).to(work), rope)
 
 
+def shortlist_size(num_slots: int) -> int:
+    """Pages the selection ranks by their exact bound, straddlers included: ``max(8 K, 256)``, the best
+    by the query box's bound (:func:`select_pages`), so ranking costs ``O(pages)`` cheap products plus
+    ``O(K)`` exact ones."""
+    return max(SHORTLIST_PER_SLOT * num_slots, SHORTLIST_MIN)
+
+
 def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, max_len: int, n_q: int, span: int,
                  far_page: int, num_slots: int, scale: float, block_table=None) -> torch.Tensor:
     """The pages a budgeted far read reads, per sequence and KV head (torch ops: no host sync).
@@ -251,10 +260,17 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
 
     - straddlers (an entry far for some row but not for every row, or a page that also holds entries
       that are not far) are always read;
-    - candidates (every entry far for every row: ``(t + 1) P <= n - span + 1``) are ranked by
-      ``bound(t) = scale * max over rows and the group's heads of sum_i max(q~_i max_i, q~_i min_i)``, ties
-      towards the lower page (a stable sort), and the top ``num_slots - #straddlers`` are read. A NaN
-      bound ranks as ``+inf`` (a page that cannot be bounded is read); an empty page as ``-inf``.
+    - candidates (every entry far for every row: ``(t + 1) P <= n - span + 1``) are ranked in two steps.
+      First by the bound of the group's query box (``q_hi``, ``q_lo``: the elementwise max and min of
+      the far queries over the block's rows and the group's heads) against the page's key box,
+      ``sum_i max(q_hi_i max_i, q_hi_i min_i, q_lo_i max_i, q_lo_i min_i)``, which bounds every row's
+      and head's logit from above at ``4 d`` products a page; a shortlist of :func:`shortlist_size`
+      pages (the straddlers, then the best candidates by that bound) is then ranked by the exact group bound
+      ``bound(t) = scale * max over rows and the group's heads of sum_i max(q~_i max_i, q~_i min_i)``,
+      and the top ``num_slots - #straddlers`` are read. Ties go towards the lower page at both steps
+      (stable sorts). A NaN bound ranks as ``+inf`` (a page that cannot be bounded is read); an empty
+      page as ``-inf``. With at most :func:`shortlist_size` straddlers and candidates the first step
+      keeps them all, and the pages read are the top ones by exact bound.
 
     Args:
         q_far: [batch, n_q, Hq, d] from :func:`far_queries`.
@@ -273,8 +289,8 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     num_pages = block_table.shape[1] if block_table is not None else -(-max_len // far_page)
     q = q_far.view(batch, n_q, heads_kv, heads_q // heads_kv, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(batch, heads_kv, -1, head_dim).float()                                 # [B, Hkv, M, d]
-    q_pos, q_neg = q.clamp(min=0), q.clamp(max=0)
-    scores = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=q.device)
+    q_hi, q_lo = q.amax(2)[:, None], q.amin(2)[:, None]                                  # [B, 1, Hkv, d]
+    box = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=q.device)
     step = max(1, BOUNDS_CHUNK // far_page)
     for t0 in range(0, num_pages, step):
         t1 = min(t0 + step, num_pages)
@@ -283,11 +299,9 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
         else:
             page = bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)]
         hi, lo = page[..., 0, :].float(), page[..., 1, :].float()                     # [B, T', Hkv, d]
-        s = torch.einsum("bhmd,bthd->bhmt", q_pos, hi) + torch.einsum("bhmd,bthd->bhmt", q_neg, lo)
-        s = s.amax(2) * scale                                                            # [B, Hkv, T']
+        s = torch.maximum(torch.maximum(q_hi * hi, q_hi * lo), torch.maximum(q_lo * hi, q_lo * lo)).sum(-1)
         s = torch.where(torch.isnan(s), float("inf"), s)
-        empty = (hi < lo).any(-1).transpose(1, 2)                                        # [B, Hkv, T']
-        scores[:, :, t0:t1] = torch.where(empty, float("-inf"), s)
+        box[:, :, t0:t1] = torch.where((hi < lo).any(-1), float("-inf"), s).transpose(1, 2)   # [B, Hkv, T']
     lengths = (torch.full((batch,), max_len, device=q.device) if cache_seqlens is None
                else cache_seqlens.to(q.device)).long()
     win_lo = lengths - n_q - span + 1                 # [B] entries < win_lo are far for every row
@@ -295,13 +309,35 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     t = torch.arange(num_pages, device=q.device)
     candidate = ((t[None, :] + 1) * far_page <= win_lo[:, None])[:, None, :]              # [B, 1, T]
     straddler = ((t[None, :] * far_page < far_hi[:, None])[:, None, :]) & ~candidate
-    key = torch.where(straddler, float("inf"), torch.where(candidate, scores, float("-inf")))
-    # stable: equal bounds keep page order; pages that are not far sort last among the -inf keys (they
-    # lie above every candidate), and are dropped below
-    order = torch.sort(-key, dim=-1, stable=True).indices[..., :num_slots]
-    keep = (candidate | straddler).expand(batch, heads_kv, num_pages).gather(-1, order)
+
+    def ranked(score, among):
+        """``among`` [B, Hkv, C] pages (any order) with their scores -> the same pages, best first
+        (straddlers first, pages that are neither last), ties towards the lower page."""
+        among = torch.sort(among, dim=-1).values
+        s = score(among)
+        cand = candidate.expand(batch, heads_kv, num_pages).gather(-1, among)
+        strad = straddler.expand(batch, heads_kv, num_pages).gather(-1, among)
+        key = torch.where(strad, float("inf"), torch.where(cand, s, float("-inf")))
+        best = torch.sort(-key, dim=-1, stable=True).indices
+        return among.gather(-1, best), (cand | strad).gather(-1, best)
+
+    every = t.expand(batch, heads_kv, num_pages)
+    shortlist = ranked(lambda among: box.gather(-1, among), every)[0][..., :shortlist_size(num_slots)]
+
+    def exact(among):                                                                  # [B, Hkv, C] -> scores
+        b = torch.arange(batch, device=q.device)[:, None, None]
+        h = torch.arange(heads_kv, device=q.device)[None, :, None]
+        page = bounds[b, among, h] if block_table is None else \
+            bounds[block_table.long().gather(1, among.flatten(1)).view_as(among).clamp(0, bounds.shape[0] - 1), h]
+        hi, lo = page[..., 0, :].float(), page[..., 1, :].float()                     # [B, Hkv, C, d]
+        s = (torch.einsum("bhmd,bhcd->bhmc", q.clamp(min=0), hi)
+             + torch.einsum("bhmd,bhcd->bhmc", q.clamp(max=0), lo)).amax(2) * scale    # [B, Hkv, C]
+        s = torch.where(torch.isnan(s), float("inf"), s)
+        return torch.where((hi < lo).any(-1), float("-inf"), s)
+
+    order, keep = (x[..., :num_slots] for x in ranked(exact, shortlist))
     pages = torch.sort(torch.where(keep, order, num_pages), dim=-1).values
     pages = torch.where(pages == num_pages, -1, pages).to(torch.int32)
-    if num_slots > num_pages:
-        pages = torch.nn.functional.pad(pages, (0, num_slots - num_pages), value=-1)
+    if num_slots > pages.shape[-1]:
+        pages = torch.nn.functional.pad(pages, (0, num_slots - pages.shape[-1]), value=-1)
     return pages.contiguous()

@@ -20,8 +20,10 @@ only ``K = N // P`` pages of the far memory: the straddling pages (an entry far 
 for every row, or a page that also holds entries that are not far) always, then the pages that are far
 for every row ranked by ``bound(t) = scale * alpha * max over rows and the group's heads of
 sum_i max(q~_i max_i, q~_i min_i)`` (``q~`` the far query, ``max``/``min`` the elementwise bounds of
-the page's ``R_0 k``; an empty box ranks -inf, a NaN bound +inf), ties towards the lower page. Each row
-still counts only its own far entries of those pages (:func:`select_far_pages_ref`).
+the page's ``R_0 k``; an empty box ranks -inf, a NaN bound +inf), ties towards the lower page, among
+a shortlist of ``max(8 K, 256)`` pages: the straddlers, then the candidates ranked best by the looser
+bound of the group's query box (elementwise max and min of ``q~`` over rows and heads) against the key box. Each row still counts only its own far
+entries of those pages (:func:`select_far_pages_ref`).
 
 ``R_0 k`` is ``k`` with its rotary dimensions times ``attention_factor`` (1 unless YaRN), which is
 what "read at the shared virtual position" means: ``(R_{D+r} q) . (R_0 k) = (R_p q) . (R_{n-D} k)``.
@@ -160,7 +162,15 @@ def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_
     per_key = torch.maximum(q_g * hi.transpose(0, 1)[None, :, None], q_g * lo.transpose(0, 1)[None, :, None])
     bound = scale * per_key.sum(-1).amax(dim=(0, 2))                                    # [Hkv, T]
     bound = torch.where(torch.isnan(bound), float("inf"), bound)
-    bound = torch.where((hi < lo).any(-1).transpose(0, 1), float("-inf"), bound)          # an empty box
+    empty = (hi < lo).any(-1).transpose(0, 1)                                           # [Hkv, T]
+    bound = torch.where(empty, float("-inf"), bound)
+    # the first ranking: the box of the group's far queries (rows x heads) against the page's key box
+    q_box = q_far.view(n_q, heads_kv, group, head_dim)
+    q_hi, q_lo = q_box.amax(dim=(0, 2))[:, None], q_box.amin(dim=(0, 2))[:, None]        # [Hkv, 1, d]
+    h_t, l_t = hi.transpose(0, 1), lo.transpose(0, 1)                                   # [Hkv, T, d]
+    corners = torch.stack([q_hi * h_t, q_hi * l_t, q_lo * h_t, q_lo * l_t])
+    box = corners.amax(0).sum(-1)                                                       # [Hkv, T]
+    box = torch.where(empty, float("-inf"), torch.where(torch.isnan(box), float("inf"), box))
     win_lo = n - span + 1                   # entries < win_lo are far for every row
     far_hi = win_lo + n_q - 1               # entries < far_hi are far for some row
     budget = far_budget // far_page
@@ -168,7 +178,9 @@ def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_
     for h in range(heads_kv):
         candidates = [t for t in range(num_pages) if (t + 1) * far_page <= win_lo]
         straddlers = [t for t in range(num_pages) if t * far_page < far_hi and (t + 1) * far_page > win_lo]
-        ranked = sorted(candidates, key=lambda t: (-bound[h, t].item(), t))
+        # the shortlist: max(8 K, 256) pages, the straddlers among them, the rest the best candidates by box
+        shortlist = sorted(candidates, key=lambda t: (-box[h, t].item(), t))[:max(8 * budget, 256) - len(straddlers)]
+        ranked = sorted(shortlist, key=lambda t: (-bound[h, t].item(), t))
         for t in straddlers + ranked[:budget - len(straddlers)]:
             read[h, t] = True
     return read

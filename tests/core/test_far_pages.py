@@ -170,3 +170,29 @@ def test_ties_go_to_the_lower_page():
         got = far_pages.select_pages(q_far, bounds, None, max_len=128, n_q=1, span=1, far_page=8, num_slots=3,
                                      scale=1.0)
         assert got.tolist() == [[[0, 1, 15]]]              # page 15 holds the block: always read
+
+
+@settings(max_examples=6)
+@given(group=st.integers(1, 3), slots=st.integers(1, 40), seed=st.integers(0, 999))
+def test_select_pages_ranks_a_shortlist_when_pages_outnumber_it(group, slots, seed):
+    """Over 256 candidate pages (pages of 1 entry), the first ranking by the query box keeps
+    max(8 K, 256) of them: the op and the reference still agree page for page, and a key planted to
+    dominate every query of the group is read."""
+    n_q, page = 4, 1
+    case = Case(batch=1, n_q=n_q, heads_kv=2, group=group, max_len=900, window=9, seed=seed)
+    q, k, _, _ = make_inputs(case)
+    rope = rope_of(case)
+    q_far = far_pages.far_queries(q, rope, None, window=case.window, max_len=case.max_len, queries_rotated=False)
+    k[0, 123, 0] = 40 * q_far[0, 0, 0]         # entry 123: aligned with row 0's far query of KV head 0's group
+    span = case.window + n_q
+    budget = (-(-(n_q - 1) // page) + 1 + slots) * page
+    assert far_pages.shortlist_size(budget // page) < case.max_len - span
+    bounds = far_pages.page_bounds(k, page, rope=rope)
+    got = far_pages.select_pages(q_far, bounds, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
+                                 num_slots=budget // page, scale=0.3)
+    want = select_far_pages_ref(q[0], k[0], n=case.max_len - n_q, span=span, window=case.window, rope=rope,
+                                scale=0.3, far_budget=budget, far_page=page)
+    for h in range(2):
+        listed = got[0, h][got[0, h] >= 0].tolist()
+        assert listed == torch.nonzero(want[h]).flatten().tolist(), h
+    assert 123 in got[0, 0].tolist()
