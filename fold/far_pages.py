@@ -34,8 +34,9 @@ __all__ = ["empty_bounds", "page_bounds", "select_pages", "update_bounds"]
 
 # entries of keys turned into float32 per step of page_bounds (memory O(chunk) at any length)
 BOUNDS_CHUNK = 1 << 16
-# the selection's shortlist (:func:`shortlist_size`): pages ranked by their exact bound per page read
-SHORTLIST_PER_SLOT, SHORTLIST_MIN = 8, 256
+# the selection's two levels (:func:`select_pages`): pages per group, and groups ranked page by page
+GROUP_PAGES = 16
+SHORTLIST_PER_SLOT, SHORTLIST_MIN = 2, 16
 
 
 def empty_bounds(num_pages: int, heads_kv: int, head_dim: int, *, batch: int | None = None,
@@ -245,10 +246,18 @@ def far_queries(q: torch.Tensor, rope: Rope, cache_seqlens, *, window: int, max_
 
 
 def shortlist_size(num_slots: int) -> int:
-    """Pages the selection ranks by their exact bound, straddlers included: ``max(8 K, 256)``, the best
-    by the query box's bound (:func:`select_pages`), so ranking costs ``O(pages)`` cheap products plus
-    ``O(K)`` exact ones."""
+    """Groups of :data:`GROUP_PAGES` pages whose pages the selection ranks one by one (:func:`select_pages`):
+    ``max(2 K, 16)``, so ranking costs one group bound per ``GROUP_PAGES`` pages plus ``O(K)`` page bounds."""
     return max(SHORTLIST_PER_SLOT * num_slots, SHORTLIST_MIN)
+
+
+def _group_bound(q_pos, q_neg, hi, lo, scale):
+    """The exact bound of query rows ``q [B, Hkv, M, d]`` (as its positive and negative parts) against
+    boxes ``hi, lo [B, Hkv, C, d]`` -> ``[B, Hkv, C]``: ``scale * max_m sum_i max(q_i hi_i, q_i lo_i)``;
+    NaN -> +inf (read), an empty box -> -inf."""
+    s = (torch.einsum("bhmd,bhcd->bhmc", q_pos, hi) + torch.einsum("bhmd,bhcd->bhmc", q_neg, lo)).amax(2) * scale
+    s = torch.where(torch.isnan(s), float("inf"), s)
+    return torch.where((hi < lo).any(-1), float("-inf"), s)
 
 
 def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, max_len: int, n_q: int, span: int,
@@ -260,17 +269,18 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
 
     - straddlers (an entry far for some row but not for every row, or a page that also holds entries
       that are not far) are always read;
-    - candidates (every entry far for every row: ``(t + 1) P <= n - span + 1``) are ranked in two steps.
-      First by the bound of the group's query box (``q_hi``, ``q_lo``: the elementwise max and min of
-      the far queries over the block's rows and the group's heads) against the page's key box,
-      ``sum_i max(q_hi_i max_i, q_hi_i min_i, q_lo_i max_i, q_lo_i min_i)``, which bounds every row's
-      and head's logit from above at ``4 d`` products a page; a shortlist of :func:`shortlist_size`
-      pages (the straddlers, then the best candidates by that bound) is then ranked by the exact group bound
-      ``bound(t) = scale * max over rows and the group's heads of sum_i max(q~_i max_i, q~_i min_i)``,
-      and the top ``num_slots - #straddlers`` are read. Ties go towards the lower page at both steps
-      (stable sorts). A NaN bound ranks as ``+inf`` (a page that cannot be bounded is read); an empty
-      page as ``-inf``. With at most :func:`shortlist_size` straddlers and candidates the first step
-      keeps them all, and the pages read are the top ones by exact bound.
+    - candidates (every entry far for every row: ``(t + 1) P <= n - span + 1``) are ranked by
+      ``bound(t) = scale * max over rows and the group's heads of sum_i max(q~_i max_i, q~_i min_i)``, ties
+      towards the lower page (stable sorts), and the top ``num_slots - #straddlers`` are read. A NaN
+      bound ranks as ``+inf`` (a page that cannot be bounded is read); an empty page as ``-inf``.
+
+    Ranking is two-level, so that its cost does not follow the context at the page's grain: consecutive
+    pages form groups of :data:`GROUP_PAGES` (group ``g`` = pages ``[g G, (g + 1) G)``), each group's box
+    is the elementwise max / min of its pages' boxes, and its bound (the same formula) is at least each
+    of its pages' bounds. The :func:`shortlist_size` groups with the highest bounds (among groups holding
+    a candidate; ties towards the lower group) have their candidate pages ranked as above. With no more
+    groups than that, every candidate is ranked: the pages read are the top ones by bound exactly, and
+    in general whenever the K-th bound read is at least the best bound of a group left out.
 
     Args:
         q_far: [batch, n_q, Hq, d] from :func:`far_queries`.
@@ -289,54 +299,85 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     num_pages = block_table.shape[1] if block_table is not None else -(-max_len // far_page)
     q = q_far.view(batch, n_q, heads_kv, heads_q // heads_kv, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(batch, heads_kv, -1, head_dim).float()                                 # [B, Hkv, M, d]
-    q_hi, q_lo = q.amax(2)[:, None], q.amin(2)[:, None]                                  # [B, 1, Hkv, d]
-    box = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=q.device)
-    step = max(1, BOUNDS_CHUNK // far_page)
-    for t0 in range(0, num_pages, step):
-        t1 = min(t0 + step, num_pages)
+    q_pos, q_neg = q.clamp(min=0), q.clamp(max=0)
+    dev = q.device
+    G = GROUP_PAGES
+    num_groups = -(-num_pages // G)
+
+    def boxes(t):                                       # pages t [B, Hkv, C] (in range) -> hi, lo [B, Hkv, C, d]
+        h = torch.arange(heads_kv, device=dev)[None, :, None]
+        if block_table is None:
+            page = bounds[torch.arange(batch, device=dev)[:, None, None], t, h]
+        else:
+            phys = block_table.long().gather(1, t.flatten(1)).view_as(t).clamp(0, bounds.shape[0] - 1)
+            page = bounds[phys, h]
+        return page[..., 0, :].float(), page[..., 1, :].float()
+
+    lengths = (torch.full((batch,), max_len, device=dev) if cache_seqlens is None
+               else cache_seqlens.to(dev)).long()
+    win_lo = (lengths - n_q - span + 1)[:, None, None]  # [B, 1, 1] entries < win_lo are far for every row
+    far_hi = win_lo + n_q - 1                           # entries < far_hi are far for some row
+    if num_groups <= shortlist_size(num_slots):         # every group is listed: rank every page
+        among = torch.arange(num_pages, device=dev).expand(batch, heads_kv, num_pages)
+        score = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=dev)
+        step = max(1, BOUNDS_CHUNK // far_page)
+        for t0 in range(0, num_pages, step):            # the pages' boxes as stored: no gather
+            t1 = min(t0 + step, num_pages)
+            page = (bounds[:, t0:t1] if block_table is None
+                    else bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)])   # [B, T', Hkv, 2, d]
+            hi, lo = (page[..., i, :].float().transpose(1, 2) for i in (0, 1))         # [B, Hkv, T', d]
+            score[:, :, t0:t1] = _group_bound(q_pos, q_neg, hi, lo, scale)
+        return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
+    group_score = torch.empty(batch, heads_kv, num_groups, dtype=torch.float32, device=dev)
+    step = max(1, BOUNDS_CHUNK // (far_page * G))                                      # groups per step
+    for g0 in range(0, num_groups, step):
+        g1 = min(g0 + step, num_groups)
+        t0, t1 = g0 * G, min(g1 * G, num_pages)
         if block_table is None:
             page = bounds[:, t0:t1]                                                      # [B, T', Hkv, 2, d]
         else:
             page = bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)]
-        hi, lo = page[..., 0, :].float(), page[..., 1, :].float()                     # [B, T', Hkv, d]
-        s = torch.maximum(torch.maximum(q_hi * hi, q_hi * lo), torch.maximum(q_lo * hi, q_lo * lo)).sum(-1)
-        s = torch.where(torch.isnan(s), float("inf"), s)
-        box[:, :, t0:t1] = torch.where((hi < lo).any(-1), float("-inf"), s).transpose(1, 2)   # [B, Hkv, T']
-    lengths = (torch.full((batch,), max_len, device=q.device) if cache_seqlens is None
-               else cache_seqlens.to(q.device)).long()
-    win_lo = lengths - n_q - span + 1                 # [B] entries < win_lo are far for every row
-    far_hi = win_lo + n_q - 1                         # entries < far_hi are far for some row
-    t = torch.arange(num_pages, device=q.device)
-    candidate = ((t[None, :] + 1) * far_page <= win_lo[:, None])[:, None, :]              # [B, 1, T]
-    straddler = ((t[None, :] * far_page < far_hi[:, None])[:, None, :]) & ~candidate
+        whole = (t1 - t0) // G                          # groups of G pages here; a last one may hold fewer
+        his, los = [], []
+        if whole:
+            v = page[:, :whole * G].unflatten(1, (whole, G))                             # a view: [B, G', G, Hkv, 2, d]
+            his.append(v[..., 0, :].amax(2))
+            los.append(v[..., 1, :].amin(2))
+        if whole * G < t1 - t0:
+            his.append(page[:, whole * G:, :, 0].amax(1, keepdim=True))
+            los.append(page[:, whole * G:, :, 1].amin(1, keepdim=True))
+        hi, lo = (torch.cat(x, 1).float().transpose(1, 2) for x in (his, los))         # [B, Hkv, G', d]
+        group_score[:, :, g0:g1] = _group_bound(q_pos, q_neg, hi, lo, scale)
+    # groups holding a candidate (candidates are a prefix of the pages: the group's first page is one)
+    g = torch.arange(num_groups, device=dev)
+    has_candidate = (g * G + 1) * far_page <= win_lo                                     # [B, 1, num_groups]
+    key = torch.where(has_candidate, group_score, float("-inf"))
+    groups = torch.sort(-key, dim=-1, stable=True).indices[..., :shortlist_size(num_slots)]   # [B, Hkv, S]
+    listed = (groups[..., None] * G + torch.arange(G, device=dev)).flatten(2)          # [B, Hkv, S G]
+    first = torch.div(win_lo.clamp(min=0), far_page, rounding_mode="floor")           # the first straddler
+    max_straddlers = -(-(n_q - 1) // far_page) + 1
+    strad_pages = (first + torch.arange(max_straddlers, device=dev)).expand(batch, heads_kv, max_straddlers)
+    among = torch.sort(torch.cat([listed, strad_pages], dim=-1), dim=-1).values        # ascending: ties -> lower page
+    hi, lo = boxes(among.clamp(max=num_pages - 1))
+    return _read_best(among, _group_bound(q_pos, q_neg, hi, lo, scale), win_lo, far_hi, far_page, num_pages,
+                      num_slots)
 
-    def ranked(score, among):
-        """``among`` [B, Hkv, C] pages (any order) with their scores -> the same pages, best first
-        (straddlers first, pages that are neither last), ties towards the lower page."""
-        among = torch.sort(among, dim=-1).values
-        s = score(among)
-        cand = candidate.expand(batch, heads_kv, num_pages).gather(-1, among)
-        strad = straddler.expand(batch, heads_kv, num_pages).gather(-1, among)
-        key = torch.where(strad, float("inf"), torch.where(cand, s, float("-inf")))
-        best = torch.sort(-key, dim=-1, stable=True).indices
-        return among.gather(-1, best), (cand | strad).gather(-1, best)
 
-    every = t.expand(batch, heads_kv, num_pages)
-    shortlist = ranked(lambda among: box.gather(-1, among), every)[0][..., :shortlist_size(num_slots)]
-
-    def exact(among):                                                                  # [B, Hkv, C] -> scores
-        b = torch.arange(batch, device=q.device)[:, None, None]
-        h = torch.arange(heads_kv, device=q.device)[None, :, None]
-        page = bounds[b, among, h] if block_table is None else \
-            bounds[block_table.long().gather(1, among.flatten(1)).view_as(among).clamp(0, bounds.shape[0] - 1), h]
-        hi, lo = page[..., 0, :].float(), page[..., 1, :].float()                     # [B, Hkv, C, d]
-        s = (torch.einsum("bhmd,bhcd->bhmc", q.clamp(min=0), hi)
-             + torch.einsum("bhmd,bhcd->bhmc", q.clamp(max=0), lo)).amax(2) * scale    # [B, Hkv, C]
-        s = torch.where(torch.isnan(s), float("inf"), s)
-        return torch.where((hi < lo).any(-1), float("-inf"), s)
-
-    order, keep = (x[..., :num_slots] for x in ranked(exact, shortlist))
-    pages = torch.sort(torch.where(keep, order, num_pages), dim=-1).values
+def _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots):
+    """Pages ``among [B, Hkv, C]`` (ascending, possibly repeated or out of range) with their bounds
+    ``score [B, Hkv, C]`` -> the ``num_slots`` read: the straddlers, then the candidates by bound (ties
+    towards the lower page), as ``select_pages`` returns them."""
+    in_range = among < num_pages
+    t = among.clamp(max=num_pages - 1)
+    candidate = in_range & ((t + 1) * far_page <= win_lo)
+    straddler = in_range & (t * far_page < far_hi) & ~candidate
+    # a page listed twice (a straddler inside a listed group) is read once: keep its straddler entry only
+    straddler &= torch.cat([torch.ones_like(straddler[..., :1]), among[..., 1:] != among[..., :-1]], dim=-1)
+    candidate &= torch.cat([among[..., :-1] != among[..., 1:], torch.ones_like(candidate[..., :1])], dim=-1)
+    rank = torch.where(straddler, float("inf"), torch.where(candidate, score, float("-inf")))
+    best = torch.sort(-rank, dim=-1, stable=True).indices[..., :num_slots]
+    keep = (candidate | straddler).gather(-1, best)
+    pages = torch.sort(torch.where(keep, among.gather(-1, best), num_pages), dim=-1).values
     pages = torch.where(pages == num_pages, -1, pages).to(torch.int32)
     if num_slots > pages.shape[-1]:
         pages = torch.nn.functional.pad(pages, (0, num_slots - pages.shape[-1]), value=-1)

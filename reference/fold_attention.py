@@ -21,8 +21,8 @@ for every row, or a page that also holds entries that are not far) always, then 
 for every row ranked by ``bound(t) = scale * alpha * max over rows and the group's heads of
 sum_i max(q~_i max_i, q~_i min_i)`` (``q~`` the far query, ``max``/``min`` the elementwise bounds of
 the page's ``R_0 k``; an empty box ranks -inf, a NaN bound +inf), ties towards the lower page, among
-a shortlist of ``max(8 K, 256)`` pages: the straddlers, then the candidates ranked best by the looser
-bound of the group's query box (elementwise max and min of ``q~`` over rows and heads) against the key box. Each row still counts only its own far
+the candidates of the ``max(2 K, 16)`` groups of 16 consecutive pages whose box (the elementwise max /
+min of their pages' boxes) has the highest bound of the same form (ties towards the lower group). Each row still counts only its own far
 entries of those pages (:func:`select_far_pages_ref`).
 
 ``R_0 k`` is ``k`` with its rotary dimensions times ``attention_factor`` (1 unless YaRN), which is
@@ -162,15 +162,15 @@ def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_
     per_key = torch.maximum(q_g * hi.transpose(0, 1)[None, :, None], q_g * lo.transpose(0, 1)[None, :, None])
     bound = scale * per_key.sum(-1).amax(dim=(0, 2))                                    # [Hkv, T]
     bound = torch.where(torch.isnan(bound), float("inf"), bound)
-    empty = (hi < lo).any(-1).transpose(0, 1)                                           # [Hkv, T]
-    bound = torch.where(empty, float("-inf"), bound)
-    # the first ranking: the box of the group's far queries (rows x heads) against the page's key box
-    q_box = q_far.view(n_q, heads_kv, group, head_dim)
-    q_hi, q_lo = q_box.amax(dim=(0, 2))[:, None], q_box.amin(dim=(0, 2))[:, None]        # [Hkv, 1, d]
-    h_t, l_t = hi.transpose(0, 1), lo.transpose(0, 1)                                   # [Hkv, T, d]
-    corners = torch.stack([q_hi * h_t, q_hi * l_t, q_lo * h_t, q_lo * l_t])
-    box = corners.amax(0).sum(-1)                                                       # [Hkv, T]
-    box = torch.where(empty, float("-inf"), torch.where(torch.isnan(box), float("inf"), box))
+    bound = torch.where((hi < lo).any(-1).transpose(0, 1), float("-inf"), bound)          # an empty box
+    # groups of 16 consecutive pages: the box of their boxes, bounded the same way
+    groups = -(-num_pages // 16)
+    g_hi = torch.stack([hi[g * 16:(g + 1) * 16].amax(0) for g in range(groups)])        # [groups, Hkv, d]
+    g_lo = torch.stack([lo[g * 16:(g + 1) * 16].amin(0) for g in range(groups)])
+    g_key = torch.maximum(q_g * g_hi.transpose(0, 1)[None, :, None], q_g * g_lo.transpose(0, 1)[None, :, None])
+    g_bound = g_key.sum(-1).amax(dim=(0, 2))                                             # [Hkv, groups]
+    g_bound = torch.where(torch.isnan(g_bound), float("inf"), g_bound)
+    g_bound = torch.where((g_hi < g_lo).any(-1).transpose(0, 1), float("-inf"), g_bound)
     win_lo = n - span + 1                   # entries < win_lo are far for every row
     far_hi = win_lo + n_q - 1               # entries < far_hi are far for some row
     budget = far_budget // far_page
@@ -178,9 +178,10 @@ def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_
     for h in range(heads_kv):
         candidates = [t for t in range(num_pages) if (t + 1) * far_page <= win_lo]
         straddlers = [t for t in range(num_pages) if t * far_page < far_hi and (t + 1) * far_page > win_lo]
-        # the shortlist: max(8 K, 256) pages, the straddlers among them, the rest the best candidates by box
-        shortlist = sorted(candidates, key=lambda t: (-box[h, t].item(), t))[:max(8 * budget, 256) - len(straddlers)]
-        ranked = sorted(shortlist, key=lambda t: (-bound[h, t].item(), t))
+        # the max(2 K, 16) groups with the highest bounds among those holding a candidate; their candidates
+        best_groups = sorted({t // 16 for t in candidates}, key=lambda g: (-g_bound[h, g].item(), g))
+        listed = set(best_groups[:max(2 * budget, 16)])
+        ranked = sorted([t for t in candidates if t // 16 in listed], key=lambda t: (-bound[h, t].item(), t))
         for t in straddlers + ranked[:budget - len(straddlers)]:
             read[h, t] = True
     return read

@@ -173,11 +173,11 @@ def test_ties_go_to_the_lower_page():
 
 
 @settings(max_examples=6)
-@given(group=st.integers(1, 3), slots=st.integers(1, 40), seed=st.integers(0, 999))
-def test_select_pages_ranks_a_shortlist_when_pages_outnumber_it(group, slots, seed):
-    """Over 256 candidate pages (pages of 1 entry), the first ranking by the query box keeps
-    max(8 K, 256) of them: the op and the reference still agree page for page, and a key planted to
-    dominate every query of the group is read."""
+@given(group=st.integers(1, 3), slots=st.integers(1, 12), seed=st.integers(0, 999))
+def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slots, seed):
+    """With more groups of pages than the selection ranks page by page (pages of 1 entry: 56 groups of
+    16, of which max(2 K, 16) are ranked), the op and the reference still agree page for page, and a key
+    planted to dominate the group's queries is read."""
     n_q, page = 4, 1
     case = Case(batch=1, n_q=n_q, heads_kv=2, group=group, max_len=900, window=9, seed=seed)
     q, k, _, _ = make_inputs(case)
@@ -186,7 +186,7 @@ def test_select_pages_ranks_a_shortlist_when_pages_outnumber_it(group, slots, se
     k[0, 123, 0] = 40 * q_far[0, 0, 0]         # entry 123: aligned with row 0's far query of KV head 0's group
     span = case.window + n_q
     budget = (-(-(n_q - 1) // page) + 1 + slots) * page
-    assert far_pages.shortlist_size(budget // page) < case.max_len - span
+    assert far_pages.shortlist_size(budget // page) * far_pages.GROUP_PAGES < case.max_len - span
     bounds = far_pages.page_bounds(k, page, rope=rope)
     got = far_pages.select_pages(q_far, bounds, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
                                  num_slots=budget // page, scale=0.3)
@@ -196,3 +196,9 @@ def test_select_pages_ranks_a_shortlist_when_pages_outnumber_it(group, slots, se
         listed = got[0, h][got[0, h] >= 0].tolist()
         assert listed == torch.nonzero(want[h]).flatten().tolist(), h
     assert 123 in got[0, 0].tolist()
+    # a paged cache reads the same pages (logical indices) through its block table
+    kp, table = to_pages(k, [case.max_len], page, torch.Generator().manual_seed(seed))
+    paged = far_pages.page_bounds(kp, page, cache_seqlens=torch.tensor([case.max_len]), block_table=table, rope=rope)
+    got_paged = far_pages.select_pages(q_far, paged, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
+                                       num_slots=budget // page, scale=0.3, block_table=table)
+    assert torch.equal(got_paged, got)
