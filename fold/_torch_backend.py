@@ -12,10 +12,11 @@ unrotated cache, the window of a rotated one) is one fused read of a view of the
 Keys that need a rotation (the window of an unrotated cache, the far memory of a rotated one) or a
 page gather (a paged cache) are prepared a chunk at a time (:data:`CHUNK_BYTES`), read while still in
 cache, and the chunk states merged once at the end, so memory stays ``O(chunk)`` at any length and the
-extra work is one pass over keys still in cache. Each torch op is a parallel region that waits for its
-slowest thread, and under CPU load (another process on one core) that thread is often descheduled:
-the read is a few large ops per chunk and few chunks, not many small ones, so it degrades under load
-as a plain read does. Angles are formed in float64 (:func:`fold.rope.rotate`).
+extra work is one pass over keys still in cache. Each parallel torch op is a region that waits for its
+slowest thread, and under CPU load (another process on one core) that thread is often descheduled, so
+the small ops run on one thread and only the fused reads are parallel (:func:`_serial_on_cpu`): a few
+regions a read, as the plain read (``tuning/results/cpu-load.md``). Angles are formed in float64
+(:func:`fold.rope.rotate`).
 """
 
 from __future__ import annotations
