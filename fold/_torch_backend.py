@@ -12,13 +12,17 @@ unrotated cache, the window of a rotated one) is one fused read of a view of the
 Keys that need a rotation (the window of an unrotated cache, the far memory of a rotated one) or a
 page gather (a paged cache) are prepared a chunk at a time (:data:`CHUNK_BYTES`), read while still in
 cache, and the chunk states merged once at the end, so memory stays ``O(chunk)`` at any length and the
-extra work is one pass over keys still in cache. Each torch op is a parallel region that waits for its
-slowest thread, and under CPU load (another process on one core) that thread is often descheduled:
-the read is a few large ops per chunk and few chunks, not many small ones, so it degrades under load
-as a plain read does. Angles are formed in float64 (:func:`fold.rope.rotate`).
+extra work is one pass over keys still in cache. Each parallel torch op is a region that waits for its
+slowest thread, and under CPU load (another process on one core) that thread is often descheduled, so
+the small ops run on one thread and only the fused reads are parallel (:func:`_serial_on_cpu`): a few
+regions a read, as the plain read (``tuning/results/cpu-load.md``). Angles are formed in float64
+(:func:`fold.rope.rotate`).
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 
@@ -76,11 +80,48 @@ def _empty_state(q):
     return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
 
 
+_THREADS = threading.local()      # .full: the caller's intra-op threads while a read runs serially
+
+
+def _serial_on_cpu(fn):
+    """Run ``fn``'s torch ops on one intra-op thread when its ``q`` is on the CPU, but for the fused
+    reads (:func:`_fused_read`), which take the caller's threads back.
+
+    Every parallel op is an OpenMP region that waits for all of its threads, and with another process
+    busy on a core the second thread is often descheduled: measured here, any op of more than a few
+    thousand elements then costs ~8 ms, whatever its size. A read is ~40 such small ops (query
+    rotations, the explicit entries, merges) plus a few per chunk; run serially they cost microseconds,
+    and the fused reads, the bulk of the work, stay parallel: a few regions a read, as the plain read.
+    OpenMP's thread count is per calling thread, so other threads of the process are not affected
+    (MKL's count is global, and is 1 while a read runs)."""
+    @functools.wraps(fn)
+    def serial(q, *args, **kwargs):
+        full = torch.get_num_threads()
+        if q.device.type != "cpu" or full == 1 or getattr(_THREADS, "full", None):
+            return fn(q, *args, **kwargs)
+        _THREADS.full = full
+        torch.set_num_threads(1)
+        try:
+            return fn(q, *args, **kwargs)
+        finally:
+            torch.set_num_threads(full)
+            _THREADS.full = None
+    return serial
+
+
 def _fused_read(q, k, v, scale):
     """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim, ``N >= 1``), one dtype -> ``(o, lse)``."""
     if q.device.type == "cpu":
         # the CPU's fused flash kernel returns the LSE; it is wrong for a last dim with stride != 1
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], scale=scale)
+        full = getattr(_THREADS, "full", None)
+        if full:                        # the bulk of a serial read's work: on the caller's threads
+            torch.set_num_threads(full)
+        try:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None],
+                                                                                scale=scale)
+        finally:
+            if full:
+                torch.set_num_threads(1)
         return o[0], lse[0]
     work = work_dtype(q.dtype)
     state = _empty_state(q.to(work))
@@ -182,6 +223,7 @@ def _unpack(x, n):
                                                                                    *x.shape[2:])
 
 
+@_serial_on_cpu
 def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
                          block_table=None, far_per_row=True, queries_rotated=False, read_far=True,
                          sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0):
@@ -279,6 +321,7 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
     return out, lse_out
 
 
+@_serial_on_cpu
 def tree_attention_torch(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, *, softmax_scale,
                          return_lse, block_table=None):
     """Hybrid tree attention: the cache through fused reads with LSE, the tree explicitly, one merge."""

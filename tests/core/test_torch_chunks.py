@@ -34,3 +34,36 @@ def test_grouped_merges_of_gathered_pages_and_budgets(small_chunks):
         twin = fold_attention_ref(q, k, v, **kw, **ref, upcast=False)
         out = fold.attention(q, kp, vp, **kw, block_table=table, **ref, backend="torch")
         assert_close(f"paged, far_budget={budget}", out, truth[0], twin[0], case.dtype)
+
+
+def test_a_read_leaves_the_thread_count_as_it_found_it():
+    """The torch path runs its small ops on one thread and its fused reads on the caller's: afterwards
+    (and after a failing read) torch's intra-op thread count is the caller's again."""
+    case = Case(batch=2, n_q=4, group=2, max_len=300, seqlens=(300, 50), window=16, keys_rotated=True)
+    q, k, v, seqlens = make_inputs(case)
+    before = torch.get_num_threads()
+    seen = []
+    real = torch_backend._fused_read
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch_backend, "_fused_read", spy)
+    try:
+        fold.attention(q, k, v, **kwargs_of(case, seqlens), backend="torch")
+    finally:
+        mp.undo()
+    assert torch.get_num_threads() == before and seen and set(seen) == {1}      # around the reads: serial
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    mp.setattr(torch_backend, "_fused_read", boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fold.attention(q, k, v, **kwargs_of(case, seqlens), backend="torch")
+    finally:
+        mp.undo()
+    assert torch.get_num_threads() == before
