@@ -146,7 +146,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
     span = window + n_q if sliding_window is None else int(sliding_window)
     far_pages = _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale,
                            far_budget, far_page, far_bounds)
-    from fold._ops import attention_op
+    from fold.ops import attention_op
 
     out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
                             args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],

@@ -63,7 +63,7 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, tree_mask, *, cache_seql
     backend = resolve_backend(backend, q)
     cache_seqlens = validate_seqlens(cache_seqlens, block_table, k_cache, batch, max_len, q.device, check_ranges,
                                      minimum=0, lower="0")
-    from fold._ops import tree_attention_op
+    from fold.ops import tree_attention_op
 
     out, lse = tree_attention_op(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, block_table,
                                  softmax_scale, backend)

@@ -117,7 +117,7 @@ class HostReads(TorchFunctionMode):
         self.calls = []
 
     def __enter__(self):
-        import fold._ops as ops
+        import fold.ops as ops
 
         self._ops, self._real = ops, (ops.attention_op, ops.tree_attention_op)
         ops.attention_op, ops.tree_attention_op = ops.attention_op._init_fn, ops.tree_attention_op._init_fn

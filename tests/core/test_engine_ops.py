@@ -148,7 +148,7 @@ def test_compiled_tree_attention_and_paged_read():
 
 
 def test_the_ops_are_registered_custom_ops():
-    import fold._ops  # noqa: F401  (registered on import; fold.attention imports it at its first call)
+    import fold.ops  # noqa: F401  (registered on import; fold.attention imports it at its first call)
 
     assert hasattr(torch.ops.fold, "attention") and hasattr(torch.ops.fold, "tree_attention")
     q, k, v, seqlens = make_inputs(CASE, pad=0.0)
@@ -196,4 +196,4 @@ def test_the_triton_path_reads_no_tensor_on_the_host(options):
     assert reads.calls == [] and torch.isfinite(out).all()
     with HostReads() as control:
         fold.attention(q, kp, vp, **kw, backend="torch")
-    assert ("tolist", "fold._torch_backend") in control.calls
+    assert ("tolist", "fold.torch_path") in control.calls

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fold
-import fold._torch_backend as torch_backend
+import fold.torch_path as torch_backend
 from reference import fold_attention_ref
 from tests.helpers import Case, assert_close, check_against_reference, kwargs_of, make_inputs, to_pages
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fold
-import fold._torch_backend as torch_backend
+import fold.torch_path as torch_backend
 from reference import apply_rope
 from reference.tolerance import check_close
 from tests.helpers import check_against_reference

@@ -48,7 +48,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
     ``(out, lse)``, lse natural log."""
     sliding = None if sliding_window < 0 else sliding_window
     if backend == "torch":
-        from fold._torch_backend import fold_attention_torch
+        from fold.torch_path import fold_attention_torch
 
         return fold_attention_torch(q, k, v, _rope(inv_freq, rotary_dim, interleaved, attention_factor),
                                     cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
@@ -85,7 +85,7 @@ def tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs (see ``fold.tree_attention``) -> ``(out, lse)``, lse natural log."""
     if backend == "torch":
-        from fold._torch_backend import tree_attention_torch
+        from fold.torch_path import tree_attention_torch
 
         return tree_attention_torch(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens,
                                     softmax_scale=softmax_scale, return_lse=True, block_table=block_table)
