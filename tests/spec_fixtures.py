@@ -221,6 +221,18 @@ def padded_batch(prompts, side="left"):
     return ids, mask
 
 
+def rewrite_config(path, **changes):
+    """Change a checkpoint directory's config.json in place: ``key=value`` sets, ``key=None`` removes."""
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+
 # small options for each built policy, shared by the loop and family tests
 OPTIONS = {"dflash": {}, "window": {"window": 8}, "fold": {"window": 8}, "streaming": {"sinks": 2, "recent": 10},
            "yarn": {"reference_len": 32}, "rerope": {"window": 8, "training_length": 16},

@@ -15,7 +15,7 @@ from fold import spec
 from fold.spec.policies import BUILT, make_read
 from reference.tolerance import check_close
 from tests.spec_fixtures import (DRAFTER_WINDOW, OPTIONS, TARGET_WINDOW, greedy_ar, make_drafter, make_target,
-                                 padded_batch)
+                                 padded_batch, rewrite_config)
 
 FAMILIES = ["qwen3_5", "gemma4", "gemma4_shared"]
 FORMATS = ["zlab-swa", "zlab-gemma", "dspark", "gemma4-dflash", "gemma4-dspark"]
@@ -320,14 +320,6 @@ def test_gemma4_drafter_rope_is_the_targets_full_attention_rope(tmp_path):
 
 # -- load-time errors that name the field ----------------------------------------------------------
 
-def _rewrite(path, **changes):
-    config = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("fmt, changes, error, words", [
@@ -356,7 +348,7 @@ def _rewrite(path, **changes):
 def test_a_drafter_that_does_not_fit_fails_naming_the_field(tmp_path, fmt, changes, error, words):
     target = make_target("gemma4", tmp_path / "t", vocab=SMALL_VOCAB)
     path = make_drafter(tmp_path / "d", target, fmt)
-    _rewrite(path, **changes)
+    rewrite_config(path, **changes)
     with pytest.raises(error) as info:
         spec.load_drafter(path, target)
     assert words in str(info.value)
@@ -368,7 +360,7 @@ def test_gemma4_drafter_ignores_the_per_layer_input_fields_of_the_copied_target_
     target = make_target("gemma4", tmp_path / "t", vocab=SMALL_VOCAB)
     plain = spec.load_drafter(make_drafter(tmp_path / "d", target, "gemma4-dspark"), target)
     path = make_drafter(tmp_path / "e", target, "gemma4-dspark")
-    _rewrite(path, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
+    rewrite_config(path, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
     copied = spec.load_drafter(path, target)
     assert copied.cfg.num_layers == plain.cfg.num_layers and copied.cfg.head_dim == plain.cfg.head_dim
     prompt = torch.randint(0, SMALL_VOCAB - 1, (20,), generator=torch.Generator().manual_seed(4))[None]
@@ -384,10 +376,10 @@ def test_sliding_layers_causality_and_window_fields(tmp_path):
     target = make_target("gemma4", tmp_path / "t", vocab=SMALL_VOCAB)
     path = make_drafter(tmp_path / "d", target, "zlab-swa")
     assert spec.load_drafter(path, target).cfg.layer_causal == [True, False]
-    _rewrite(path, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 11, "causal": False})
+    rewrite_config(path, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 11, "causal": False})
     cfg = spec.load_drafter(path, target).cfg
     assert cfg.layer_causal == [False, False] and cfg.layer_windows == [DRAFTER_WINDOW, None]
-    _rewrite(path, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 11, "swa_window_size": 3},
+    rewrite_config(path, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 11, "swa_window_size": 3},
              use_sliding_window=None)                                   # vLLM's window field wins
     cfg = spec.load_drafter(path, target).cfg
     assert cfg.layer_causal == [True, False] and cfg.layer_windows == [3, None]

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from fold import spec
 from fold.spec.loading import build_target_layer_ids
-from tests.spec_fixtures import make_drafter, make_target
+from tests.spec_fixtures import make_drafter, make_target, rewrite_config
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +42,6 @@ def test_default_tap_ids_follow_zlab():
     assert build_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
 
 
-def _rewrite_config(path, **changes):
-    config = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -68,7 +60,7 @@ def _rewrite_config(path, **changes):
 ])
 def test_bad_checkpoints_fail_naming_the_field(tmp_path, target, changes, words):
     path = make_drafter(tmp_path / "d", target, "zlab")
-    _rewrite_config(path, **changes)
+    rewrite_config(path, **changes)
     with pytest.raises(ValueError) as info:
         spec.load_drafter(path, target)
     assert words in str(info.value)
@@ -76,7 +68,7 @@ def test_bad_checkpoints_fail_naming_the_field(tmp_path, target, changes, words)
 
 def test_unknown_markov_head_is_refused(tmp_path, target):
     path = make_drafter(tmp_path / "d", target, "dspark")
-    _rewrite_config(path, markov_head_type="gated")
+    rewrite_config(path, markov_head_type="gated")
     with pytest.raises(ValueError, match="markov_head_type 'gated' is not supported"):
         spec.load_drafter(path, target)
 
@@ -161,7 +153,7 @@ def test_a_missing_shard_is_named(tmp_path, target):
 ])
 def test_bad_fields_are_named_at_load_time(tmp_path, target, changes, error, words):
     path = make_drafter(tmp_path / "d", target, "zlab")
-    _rewrite_config(path, **changes)
+    rewrite_config(path, **changes)
     with pytest.raises(error) as info:
         spec.load_drafter(path, target)
     assert words in str(info.value) and "config.json" in str(info.value)
@@ -169,7 +161,7 @@ def test_bad_fields_are_named_at_load_time(tmp_path, target, changes, error, wor
 
 def test_deepspec_block_size_must_be_positive(tmp_path, target):
     path = make_drafter(tmp_path / "d", target, "dspark")
-    _rewrite_config(path, block_size=0)
+    rewrite_config(path, block_size=0)
     with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
         spec.load_drafter(path, target)
 
