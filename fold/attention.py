@@ -26,7 +26,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
               queries_rotated=False, softmax_scale=None, return_lse=False, backend="auto", check_ranges=None,
               far_position="shared", sliding_window=None, causal=False, k_scale=None, v_scale=None, far_budget=None,
-              far_page=64, far_bounds=None):
+              far_page=64, far_bounds=None, far_rank="bound"):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -103,6 +103,10 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
             ``[num_blocks, heads_kv, 2, head_dim]`` (by physical block) for a paged one. ``None``: computed
             here from the cache each call (``O(L)``, the convenience path). Bounds looser than exact are
             fine. Ignored without ``far_budget``.
+        far_rank: how the pages far for every row are ranked: ``"bound"`` (default, the box bound above) or
+            ``"keys"``: by their keys, each row's and head's largest far logit per page as a share over the
+            ranked pages (a softmax), averaged over rows and heads (:func:`fold.far_pages.select_pages`); it
+            reads the keys of at most ``max(2 K, 16) * 16`` pages a round, whatever the length.
         check_ranges: check the values of ``cache_seqlens`` (and the pages ``block_table`` uses)
             against the cache. Reading them costs a host sync on CUDA, so ``None`` (default) checks on
             the CPU and skips on CUDA; ``True`` always checks, ``False`` never. Skipped while
@@ -145,7 +149,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
     k_scale, v_scale = (validate_cache_scale(name, x) for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
     span = window + n_q if sliding_window is None else int(sliding_window)
     far_pages = _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale,
-                           far_budget, far_page, far_bounds)
+                           far_budget, far_page, far_bounds, far_rank)
     from fold.ops import attention_op
 
     out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
@@ -158,7 +162,7 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
 
 
 def _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale, far_budget,
-               far_page, far_bounds):
+               far_page, far_bounds, far_rank="bound"):
     """Validate the far-budget arguments and select the pages: ``[batch, heads_kv, K]`` int32, or None
     (no budget, or one that covers every sequence's far memory: the full read, exactly FOLD)."""
     q, k, block_table = args["q"], args["k"], args["block_table"]
@@ -166,6 +170,12 @@ def _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, quer
         raise TypeError(f"far_page must be an int, got {type(far_page).__name__}")
     if far_page < 1:
         raise ValueError(f"far_page must be >= 1, got {far_page}")
+    from fold.far_pages import RANKS
+
+    if not isinstance(far_rank, str):
+        raise TypeError(f"far_rank must be a str, one of {RANKS}, got {type(far_rank).__name__}")
+    if far_rank not in RANKS:
+        raise ValueError(f"far_rank must be one of {RANKS}, got {far_rank!r}")
     if far_budget is None:
         return None
     if isinstance(far_budget, bool) or not isinstance(far_budget, numbers.Integral):
@@ -208,7 +218,8 @@ def _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, quer
     q_far = far_pages.far_queries(q, rope, seqlens, window=window, max_len=max_len, queries_rotated=queries_rotated)
     return far_pages.select_pages(q_far, far_bounds, seqlens, max_len=max_len, n_q=n_q, span=span,
                                   far_page=far_page, num_slots=slots, scale=args["softmax_scale"] * alpha,
-                                  block_table=block_table)
+                                  block_table=block_table, rank=far_rank, keys=k, keys_rotated=keys_rotated, rope=rope,
+                                  k_scale=k_scale)
 
 
 def validate_cache_scale(name, x) -> float:

@@ -30,10 +30,15 @@ import torch
 
 from fold.rope import Rope, rotate_with, work_dtype
 
-__all__ = ["empty_bounds", "page_bounds", "select_pages", "update_bounds"]
+__all__ = ["RANKS", "empty_bounds", "page_bounds", "select_pages", "update_bounds"]
+
+# how the listed candidate pages are ranked (:func:`select_pages`)
+RANKS = ("bound", "keys")
 
 # entries of keys turned into float32 per step of page_bounds (memory O(chunk) at any length)
 BOUNDS_CHUNK = 1 << 16
+# entries of keys per sequence and KV head scored per step of rank="keys" (its logits are [.., M, chunk])
+KEYS_CHUNK = 1 << 13
 # the selection's two levels (:func:`select_pages`): pages per group, and groups ranked page by page
 GROUP_PAGES = 16
 SHORTLIST_PER_SLOT, SHORTLIST_MIN = 2, 16
@@ -63,7 +68,9 @@ def _unrotated(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch
 
 def _keys_for_bounds(keys, positions, keys_rotated, rope, k_scale):
     """Stored keys ``[..., Hkv, d]`` (any float dtype, FP8 included) -> the unrotated dequantized keys, float32."""
-    x = keys.to(torch.float32) * k_scale
+    x = keys.to(torch.float32)
+    if k_scale != 1.0:
+        x = x * k_scale
     if keys_rotated:
         if rope is None:
             raise ValueError("keys_rotated=True needs rope (the keys are un-rotated before their bounds are taken)")
@@ -261,7 +268,9 @@ def _group_bound(q_pos, q_neg, hi, lo, scale):
 
 
 def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, max_len: int, n_q: int, span: int,
-                 far_page: int, num_slots: int, scale: float, block_table=None) -> torch.Tensor:
+                 far_page: int, num_slots: int, scale: float, block_table=None, rank: str = "bound",
+                 keys: torch.Tensor | None = None, keys_rotated: bool = False, rope: Rope | None = None,
+                 k_scale: float = 1.0) -> torch.Tensor:
     """The pages a budgeted far read reads, per sequence and KV head (torch ops: no host sync).
 
     Row r of sequence b (``L`` entries, ``n = L - n_q``) reads entry j as far memory iff ``j <= n + r - span``
@@ -282,13 +291,24 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     groups than that, every candidate is ranked: the pages read are the top ones by bound exactly, and
     in general whenever the K-th bound read is at least the best bound of a group left out.
 
+    ``rank="keys"`` ranks the listed candidates by their keys instead of their boxes: for each row and
+    head of the group, every listed candidate's largest far logit ``scale * max_j q~ . k_j`` turned into a
+    share over the listed candidates (a softmax), and those shares averaged over rows and heads. It reads
+    the keys of the listed pages (at most ``shortlist_size(K) * GROUP_PAGES`` pages, whatever the length)
+    and computes their logits: a bounded cost that pays when a drafter's far mass sits in single entries,
+    which a page's box does not show (``docs/far-budget.md``). Groups are still listed by their boxes.
+
     Args:
         q_far: [batch, n_q, Hq, d] from :func:`far_queries`.
         bounds: dense ``[batch, >= ceil(max_len / P), Hkv, 2, d]``, or paged ``[num_blocks, Hkv, 2, d]``
             with ``block_table [batch, max_blocks]``.
         cache_seqlens: [batch] int tensor, or None (every sequence holds ``max_len``).
         num_slots: K, pages read per sequence and KV head (>= the straddlers: ``ceil((n_q - 1) / P) + 1``).
-        scale: ``softmax_scale * alpha`` (positive: it does not change the order).
+        scale: ``softmax_scale * alpha`` (positive).
+        rank: ``"bound"`` (default) or ``"keys"``.
+        keys: with ``rank="keys"``, the cache's keys as stored: dense ``[batch, max_len, Hkv, d]``, or pages
+            ``[num_blocks, far_page, Hkv, d]`` with ``block_table``; ``keys_rotated``, ``rope``, ``k_scale``
+            as :func:`page_bounds` takes them.
 
     Returns:
         [batch, Hkv, K] int32 page indices (logical: page t = entries ``[t P, (t + 1) P)``), ascending,
@@ -327,6 +347,9 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
                     else bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)])   # [B, T', Hkv, 2, d]
             hi, lo = (page[..., i, :].float().transpose(1, 2) for i in (0, 1))         # [B, Hkv, T', d]
             score[:, :, t0:t1] = _group_bound(q_pos, q_neg, hi, lo, scale)
+        if rank == "keys":
+            score = _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope,
+                                k_scale, every_page=True)
         return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
     group_score = torch.empty(batch, heads_kv, num_groups, dtype=torch.float32, device=dev)
     step = max(1, BOUNDS_CHUNK // (far_page * G))                                      # groups per step
@@ -358,9 +381,57 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     max_straddlers = -(-(n_q - 1) // far_page) + 1
     strad_pages = (first + torch.arange(max_straddlers, device=dev)).expand(batch, heads_kv, max_straddlers)
     among = torch.sort(torch.cat([listed, strad_pages], dim=-1), dim=-1).values        # ascending: ties -> lower page
-    hi, lo = boxes(among.clamp(max=num_pages - 1))
-    return _read_best(among, _group_bound(q_pos, q_neg, hi, lo, scale), win_lo, far_hi, far_page, num_pages,
-                      num_slots)
+    if rank == "keys":
+        score = _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope,
+                            k_scale)
+    else:
+        hi, lo = boxes(among.clamp(max=num_pages - 1))
+        score = _group_bound(q_pos, q_neg, hi, lo, scale)
+    return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
+
+
+def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope, k_scale,
+                every_page=False):
+    """``rank="keys"``: pages ``among [B, Hkv, C]`` -> each candidate's mean share ``[B, Hkv, C]`` over rows and
+    heads ``q [B, Hkv, M, d]`` of ``softmax over candidates (scale * the page's largest far logit)``; -inf for
+    pages that are not candidates. Keys are read ``KEYS_CHUNK`` entries per sequence and KV head at a time;
+    ``every_page`` (``among`` is every page, for every head) reads them as slices, without a gather."""
+    batch, heads_kv, m, head_dim = q.shape
+    C = among.shape[-1]
+    dev = q.device
+    t = among.clamp(max=num_pages - 1)
+    candidate = (among < num_pages) & ((t + 1) * far_page <= win_lo)                    # whole pages, all far
+    top = torch.empty(batch, heads_kv, m, C, dtype=torch.float32, device=dev)
+    h = torch.arange(heads_kv, device=dev)[None, :, None, None]
+    slot = torch.arange(far_page, device=dev)
+    step = max(1, KEYS_CHUNK // far_page)
+    for c0 in range(0, C, step):
+        c1 = min(c0 + step, C)
+        if every_page:                                  # pages c0..c1 of every sequence: [B, C' P, Hkv, d]
+            pos = torch.arange(c0 * far_page, c1 * far_page, device=dev)
+            if block_table is None:
+                x = keys[:, c0 * far_page:c1 * far_page]
+                if x.shape[1] < (c1 - c0) * far_page:                                     # the last page, cut
+                    x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, (c1 - c0) * far_page - x.shape[1]))
+            else:
+                x = keys[block_table[:, c0:c1].long().clamp(0, keys.shape[0] - 1)].flatten(1, 2)
+            x = _keys_for_bounds(x, pos, keys_rotated, rope, k_scale)
+            logits = torch.matmul(q, x.permute(0, 2, 3, 1))                             # [B, Hkv, M, C' P]
+        else:
+            pos = t[..., c0:c1, None] * far_page + slot                                   # [B, Hkv, C', P]
+            if block_table is None:
+                x = keys[torch.arange(batch, device=dev)[:, None, None, None], pos.clamp(max=keys.shape[1] - 1), h]
+            else:
+                phys = block_table.long().gather(1, t[..., c0:c1].flatten(1)).view_as(t[..., c0:c1])
+                x = keys[phys.clamp(0, keys.shape[0] - 1)[..., None], slot, h]           # [B, Hkv, C', P, d]
+            x = _keys_for_bounds(x[..., None, :], pos, keys_rotated, rope, k_scale)[..., 0, :]   # one "head" axis
+            logits = torch.matmul(q, x.flatten(2, 3).transpose(-1, -2))                  # [B, Hkv, M, C' P]
+        logits = logits.unflatten(-1, (c1 - c0, far_page)).amax(-1)                      # [B, Hkv, M, C']
+        top[..., c0:c1] = torch.where(torch.isnan(logits), float("inf"), logits)
+    top = torch.where(candidate[:, :, None, :], top * scale, float("-inf"))
+    unbounded = (top == float("inf")).any(2) & candidate          # a NaN or infinite key: read, as a NaN bound is
+    share = torch.softmax(top, dim=-1).nan_to_num(0.0).mean(2)                           # no candidate: 0
+    return torch.where(candidate, torch.where(unbounded, float("inf"), share), float("-inf"))
 
 
 def _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots):

@@ -43,7 +43,7 @@ from reference.rope import apply_rope
 def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
                        queries_rotated=False, softmax_scale=None, far_position="shared", sliding_window=None,
                        causal=False, k_scale=1.0, v_scale=1.0, upcast=True, far_budget=None, far_page=64,
-                       far_bounds=None):
+                       far_bounds=None, far_rank="bound"):
     """Reference FOLD attention.
 
     q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block (``R_{n+r} q`` with
@@ -63,6 +63,8 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         ``upcast`` says, so both computations read the same entries
     far_bounds: None (bounds from ``k``), or ``[batch, >= ceil(max_len / P), heads_kv, 2, head_dim]``: the
         elementwise max / min of each page's unrotated, dequantized keys (see ``fold.far_pages``)
+    far_rank: ``"bound"`` ranks the listed pages by their boxes, ``"keys"`` by their keys (each row's and
+        head's largest far logit per page, as a softmax share over the listed candidates, averaged)
 
     Returns ``(out [batch, n_q, heads_q, head_dim], lse [batch, n_q, heads_q])``, both in float64
     with ``upcast`` and in ``q.dtype`` otherwise; ``lse`` is in natural log.
@@ -102,7 +104,7 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
             read = select_far_pages_ref(q[b], k[b, :length], n=n, span=span, window=window, rope=rope,
                                         scale=scale * alpha, far_budget=far_budget, far_page=far_page,
                                         bounds=None if far_bounds is None else far_bounds[b], k_scale=k_scale,
-                                        keys_rotated=keys_rotated, queries_rotated=queries_rotated)
+                                        keys_rotated=keys_rotated, queries_rotated=queries_rotated, rank=far_rank)
             page_read = read.repeat_interleave(group, dim=0)[:, j // far_page]       # [Hq, L]
             is_far = is_far[None] & page_read[:, None, :]                            # [Hq, n_q, L]
         if causal:
@@ -125,13 +127,14 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
 
 
 def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_page, bounds=None, k_scale=1.0,
-                         keys_rotated=False, queries_rotated=False):
+                         keys_rotated=False, queries_rotated=False, rank="bound"):
     """The far pages a budgeted read of one sequence reads, in float64: ``[heads_kv, num_pages]`` bool.
 
     q: [n_q, heads_q, head_dim] the block's queries (as ``fold_attention_ref`` takes them)
     k: [L, heads_kv, head_dim] the sequence's valid keys (as stored)
     n, span: row r reads entry j as far memory iff ``j <= n + r - span``
     bounds: None (from ``k``), or ``[>= num_pages, heads_kv, 2, head_dim]`` bounds of the unrotated keys
+    rank: ``"bound"`` (the listed candidates by their box bound) or ``"keys"`` (by their keys' far logits)
     """
     n_q, heads_q, head_dim = q.shape
     length, heads_kv = k.shape[0], k.shape[1]
@@ -144,11 +147,11 @@ def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_
         q64 = apply_rope(q64, (n + r)[:, None], inv_freq, inverse=True, **rot)
     q_far = apply_rope(q64, (window + n_q + r)[:, None], inv_freq, **rot)                  # [n_q, Hq, d]
     num_pages = -(-length // far_page)
+    kb = k.to(torch.float64) * k_scale
+    if keys_rotated:
+        kb = apply_rope(kb, torch.arange(length, device=q.device)[:, None], inv_freq, inverse=True, **rot)
+    k_far = apply_rope(kb, torch.zeros(length, 1, device=q.device), inv_freq, **rot)      # R_0 k
     if bounds is None:
-        kb = k.to(torch.float64) * k_scale
-        if keys_rotated:
-            kb = apply_rope(kb, torch.arange(length, device=q.device)[:, None], inv_freq, inverse=True, **rot)
-        k_far = apply_rope(kb, torch.zeros(length, 1, device=q.device), inv_freq, **rot)  # R_0 k
         pages = [k_far[t * far_page:(t + 1) * far_page] for t in range(num_pages)]      # each [<= P, Hkv, d]
         hi = torch.stack([p.amax(0) for p in pages])                                    # [T, Hkv, d]
         lo = torch.stack([p.amin(0) for p in pages])
@@ -181,7 +184,16 @@ def select_far_pages_ref(q, k, *, n, span, window, rope, scale, far_budget, far_
         # the max(2 K, 16) groups with the highest bounds among those holding a candidate; their candidates
         best_groups = sorted({t // 16 for t in candidates}, key=lambda g: (-g_bound[h, g].item(), g))
         listed = set(best_groups[:max(2 * budget, 16)])
-        ranked = sorted([t for t in candidates if t // 16 in listed], key=lambda t: (-bound[h, t].item(), t))
+        among = [t for t in candidates if t // 16 in listed]
+        score = bound[h]
+        if rank == "keys" and among:
+            # per row and head of the group: each listed page's largest far logit, softmax over the listed pages
+            q_h = q_far[:, h * group:(h + 1) * group].reshape(-1, head_dim)                     # [n_q g, d]
+            top = torch.stack([(q_h @ k_far[t * far_page:(t + 1) * far_page, h].T).amax(-1) for t in among], -1)
+            shares = torch.softmax(scale * top, dim=-1).mean(0)                                   # [len(among)]
+            score = torch.full((num_pages,), float("-inf"), dtype=torch.float64, device=q.device)
+            score[among] = shares
+        ranked = sorted(among, key=lambda t: (-score[t].item(), t))
         for t in straddlers + ranked[:budget - len(straddlers)]:
             read[h, t] = True
     return read

@@ -11,12 +11,14 @@ inputs and in turn (window-only, full, budgeted, window-only, ...), ``--repeats`
 - ``budget``: ``far_budget=--budget`` (pages of ``--far-page``), ``far_bounds`` the kept bounds
   (``fold.far_pages.page_bounds`` built once beforehand, as a cache keeps them; building them is timed
   apart: ``bounds_from_scratch_ms`` is what ``far_bounds=None`` would add to every call, and
-  ``update_one_round_ms`` what keeping them costs per round: ``update_bounds`` over ``n_q`` new entries).
+  ``update_one_round_ms`` what keeping them costs per round: ``update_bounds`` over ``n_q`` new entries);
+- ``keys``: the same budget with ``far_rank="keys"`` (the listed pages ranked by their keys' far logits).
 
 The far part's time is a variant's median minus the window-only median. Its bytes are counted from the
 shapes: K and V of the far entries read (``L - W - n_q`` for ``fold``; at most ``budget`` for
 ``budget``, the pages a block straddles included) plus, for ``budget``, the float32 bounds of every
-page the selection scores (``ceil(L / P) x Hkv x 2 x d x 4``). A benchmark, not a test: absolute
+page the selection scores (``ceil(L / P) x Hkv x 2 x d x 4``), and for ``keys`` also the keys of the
+listed pages it ranks (``min(candidates, shortlist x 16)`` pages, K only). A benchmark, not a test: absolute
 times mean something on this machine only.
 
 Shapes: ``llama3.1-8b``: 32 query / 8 KV heads of 128, ``n_q = 16`` (a block of 16), W = 2048,
@@ -68,7 +70,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def far_bytes(shape: DrafterShape, length: int, budget: int | None, far_page: int) -> dict:
+def far_bytes(shape: DrafterShape, length: int, budget: int | None, far_page: int, rank: str = "bound") -> dict:
     """Bytes the far part reads per call (one sequence, one layer), counted from the shapes."""
     row = shape.heads_kv * shape.head_dim * 2 * ELEMENT                     # K and V of one entry
     far = max(0, length - shape.window - shape.n_q)
@@ -76,7 +78,12 @@ def far_bytes(shape: DrafterShape, length: int, budget: int | None, far_page: in
         return dict(far_entries=far, kv_bytes=far * row, bounds_bytes=0, total_bytes=far * row)
     read = min(far, (budget // far_page) * far_page)
     bounds = -(-length // far_page) * shape.heads_kv * 2 * shape.head_dim * 4
-    return dict(far_entries=read, kv_bytes=read * row, bounds_bytes=bounds, total_bytes=read * row + bounds)
+    ranked = 0
+    if rank == "keys":
+        listed = min(far // far_page, far_pages.shortlist_size(budget // far_page) * far_pages.GROUP_PAGES)
+        ranked = listed * far_page * row // 2                                     # K only
+    return dict(far_entries=read, kv_bytes=read * row, bounds_bytes=bounds, ranked_key_bytes=ranked,
+                total_bytes=read * row + bounds + ranked)
 
 
 def bench(shape: DrafterShape, length: int, budget: int, far_page: int, repeats: int) -> dict:
@@ -94,8 +101,11 @@ def bench(shape: DrafterShape, length: int, budget: int, far_page: int, repeats:
     calls = {"window": lambda: fold.attention(q, k, v, **common, far_position="none"),
              "fold": lambda: fold.attention(q, k, v, **common),
              "budget": lambda: fold.attention(q, k, v, **common, far_budget=budget, far_page=far_page,
-                                              far_bounds=bounds)}
+                                              far_bounds=bounds),
+             "keys": lambda: fold.attention(q, k, v, **common, far_budget=budget, far_page=far_page,
+                                            far_bounds=bounds, far_rank="keys")}
     full, budgeted = calls["fold"](), calls["budget"]()                   # warm-up; the outputs compared below
+    calls["keys"]()
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
@@ -104,12 +114,14 @@ def bench(shape: DrafterShape, length: int, budget: int, far_page: int, repeats:
     diff = (full.float() - budgeted.float()).abs().max().item()
     return dict(drafter=shape.name, length=length, n_q=shape.n_q, window=shape.window, heads_q=shape.heads_q,
                 heads_kv=shape.heads_kv, head_dim=shape.head_dim, budget=budget, far_page=far_page, repeats=repeats,
-                window_ms=med["window"], fold_ms=med["fold"], budget_ms=med["budget"],
+                window_ms=med["window"], fold_ms=med["fold"], budget_ms=med["budget"], keys_ms=med["keys"],
                 fold_far_ms=med["fold"] - med["window"], budget_far_ms=med["budget"] - med["window"],
+                keys_far_ms=med["keys"] - med["window"],
                 times_ms={name: [round(x * 1e3, 2) for x in t] for name, t in times.items()},
                 bounds_from_scratch_ms=scratch * 1e3, update_one_round_ms=update * 1e3,
                 fold_far_bytes=far_bytes(shape, length, None, far_page),
                 budget_far_bytes=far_bytes(shape, length, budget, far_page),
+                keys_far_bytes=far_bytes(shape, length, budget, far_page, "keys"),
                 max_abs_output_difference=diff)
 
 
@@ -118,15 +130,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"`{meta['command']}`", "",
              f"Machine: {meta['machine']}; torch {meta['torch']}, {meta['threads']} thread(s); bf16 cache, torch path; "
              f"budget {rows[0]['budget']} entries in pages of {rows[0]['far_page']}; medians of each row's repeats.",
-             "", "| drafter | L | window-only ms | fold ms (far part) | budget ms (far part) | far bytes fold | "
-             "far bytes budget (of which bounds) | bounds from scratch ms | update per round ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| drafter | L | window-only ms | fold ms (far part) | budget ms (far part) | keys ms (far part) | "
+             "far bytes fold | far bytes budget (of which bounds) | far bytes keys (of which ranked keys) | "
+             "bounds from scratch ms | update per round ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
     for r in rows:
-        fb, bb = r["fold_far_bytes"], r["budget_far_bytes"]
+        fb, bb, kb = r["fold_far_bytes"], r["budget_far_bytes"], r["keys_far_bytes"]
         lines.append(f"| {r['drafter']} | {r['length']:,} | {r['window_ms']:.1f} | {r['fold_ms']:.1f} "
                      f"({r['fold_far_ms']:.1f}) | {r['budget_ms']:.1f} ({r['budget_far_ms']:.1f}) | "
+                     f"{r['keys_ms']:.1f} ({r['keys_far_ms']:.1f}) | "
                      f"{mib(fb['total_bytes'])} | {mib(bb['total_bytes'])} ({mib(bb['bounds_bytes'])}) | "
+                     f"{mib(kb['total_bytes'])} ({mib(kb['ranked_key_bytes'])}) | "
                      f"{r['bounds_from_scratch_ms']:.1f} | {r['update_one_round_ms']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -156,7 +171,7 @@ def main(argv=None) -> int:
                 row = bench(SHAPES[name], length, args.budget, args.far_page, repeats)
                 rows.append(row)
                 print(f"{name} L={length}: window {row['window_ms']:.1f} ms, fold {row['fold_ms']:.1f} ms, "
-                      f"budget {row['budget_ms']:.1f} ms", flush=True)
+                      f"budget {row['budget_ms']:.1f} ms, keys {row['keys_ms']:.1f} ms", flush=True)
     stem = Path(args.out) if args.out else RESULTS / f"far-budget-cpu-{date}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -34,7 +34,7 @@ prompts. tau is deterministic (greedy) and needs no repeats. Every mean comes wi
 CI over prompts, and each row's tau also as a paired difference to Window on the same prompts.
 The ``fold-budget`` row is FOLD with ``far_budget=--far-budget`` (default 1024) and
 ``far_page=--far-page`` (64): its far branch reads at most that many entries per round, chosen by
-per-page key bounds; its tau is also paired against the ``fold`` row's (the budget's cost).
+per-page key bounds (``--far-rank keys``: ranked by the pages' keys); its tau is also paired against the ``fold`` row's (the budget's cost).
 
 Prints the tables; writes ``results.json``, ``table.txt`` and ``tau_vs_length.png`` into ``--out``.
 """
@@ -122,15 +122,17 @@ def training_length(artifacts: Path | None = None, default: int = 256, drafter_d
 
 
 def policy_options(policy: str, window: int, alpha: float, train_len: int, far_budget: int = FAR_BUDGET,
-                   far_page: int = FAR_PAGE) -> dict:
+                   far_page: int = FAR_PAGE, far_rank: str = "bound") -> dict:
     """The paper's Appendix B.3 settings, scaled from W = 2048 to this window; ``fold-budget`` is FOLD
-    whose far branch reads at most ``far_budget`` entries (pages of ``far_page``) per round."""
+    whose far branch reads at most ``far_budget`` entries (pages of ``far_page``, ranked by ``far_rank``) per
+    round."""
     s = window / 2048
     return {
         "dflash": {},
         "window": dict(window=window),
         "fold": dict(window=window, alpha=alpha),
-        BUDGET_ROW: dict(window=window, alpha=alpha, far_budget=far_budget, far_page=far_page),
+        BUDGET_ROW: dict(window=window, alpha=alpha, far_budget=far_budget, far_page=far_page,
+                         far_rank=far_rank),
         "streaming": dict(sinks=4, recent=window - 4),
         "yarn": dict(reference_len=train_len),
         "rerope": dict(window=window, training_length=train_len),
@@ -286,10 +288,10 @@ def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
 
 def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int,
               draft_cutoff: float = 0.0, prefill=None, far_budget: int = FAR_BUDGET,
-              far_page: int = FAR_PAGE) -> list[Row]:
+              far_page: int = FAR_PAGE, far_rank: str = "bound") -> list[Row]:
     """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec.generate`'s, every drafter
     row; ``prefill``: a :class:`fold.spec.Prefills` the rows share, so each prompt is run once;
-    ``far_budget``, ``far_page``: the ``fold-budget`` row's)."""
+    ``far_budget``, ``far_page``, ``far_rank``: the ``fold-budget`` row's)."""
     from fold import spec
 
     def ar(prompt, n_new):
@@ -298,7 +300,8 @@ def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_l
     rows = [Row("AR", ar)]
     for name in names:
         model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, "fold" if name == BUDGET_ROW else name)
-        opts = {} if name == ANCHOR_ROW else policy_options(name, window, alpha, train_len, far_budget, far_page)
+        opts = ({} if name == ANCHOR_ROW
+                else policy_options(name, window, alpha, train_len, far_budget, far_page, far_rank))
 
         def run(prompt, n_new, model=model, policy=policy, opts=opts):
             return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
@@ -316,7 +319,7 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
                    held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False,
-                   far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE) -> list[dict]:
+                   far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE, far_rank: str = "bound") -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``held_text``: see
     :func:`prompts_for` (the real pair's: its retrieval cells keep the first ``prompts`` prompts whose
     value the target retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn, and their records carry
@@ -336,7 +339,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                                               held_ids, tokenizer, new_tokens, held_text)
             shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
             cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared,
-                             far_budget, far_page)
+                             far_budget, far_page, far_rank)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True
@@ -587,6 +590,8 @@ def main(argv=None) -> int:
                     help=f"the {BUDGET_ROW} row: far entries FOLD's far branch reads per round (default {FAR_BUDGET})")
     ap.add_argument("--far-page", type=_int_at_least(1), default=FAR_PAGE,
                     help=f"the {BUDGET_ROW} row: entries per far page (default {FAR_PAGE})")
+    ap.add_argument("--far-rank", choices=("bound", "keys"), default="bound",
+                    help=f"the {BUDGET_ROW} row: rank far pages by their key bounds (default) or by their keys")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
                          "(default: the shipped pair)")
@@ -656,7 +661,8 @@ def main(argv=None) -> int:
         try:                                  # the budget must hold the pages a drafter block straddles
             make_read("fold", drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1,
                                                              block_size=drafter.cfg.block_size),
-                      window=args.window, far_budget=args.far_budget, far_page=args.far_page)
+                      window=args.window, far_budget=args.far_budget, far_page=args.far_page,
+                      far_rank=args.far_rank)
         except ValueError as exc:
             ap.error(f"--far-budget / --far-page: {exc}")
     from fold.demo import data
@@ -676,7 +682,8 @@ def main(argv=None) -> int:
                              window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, bar=bar,
                              log=log, last_logits_only=args.real,
                              held_text=held_text if args.real else None, draft_cutoff=args.draft_cutoff,
-                             every_prompt=args.every_prompt, far_budget=args.far_budget, far_page=args.far_page)
+                             every_prompt=args.every_prompt, far_budget=args.far_budget, far_page=args.far_page,
+                             far_rank=args.far_rank)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,
@@ -687,7 +694,7 @@ def main(argv=None) -> int:
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
-    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, {BUDGET_ROW}: {args.far_budget} far entries in pages of {args.far_page}, draft cutoff {args.draft_cutoff}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
+    print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, {BUDGET_ROW}: {args.far_budget} far entries in pages of {args.far_page} ranked by {args.far_rank}, draft cutoff {args.draft_cutoff}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
           f"{new_tokens} new tokens per code prompt, the stored value's length per retrieval prompt; drafter trained "
           f"on {train_len} tokens; {time.perf_counter() - t0:.0f} s")
     print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "

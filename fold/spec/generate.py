@@ -343,7 +343,8 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
             pages, chosen per sequence and KV head by per-page key bounds the drafter's cache keeps as it
             grows, on full and sliding-window layers alike; ``fold`` only; N must hold the pages a block straddles, ``N // far_page >= ceil((block_size - 1) / far_page) + 1``;
             with N at least the far memory's size the drafts equal ``fold``'s without a budget),
-            ``far_page`` (64, entries per far page), ``sinks`` (4),
+            ``far_page`` (64, entries per far page), ``far_rank`` ("bound": pages ranked by their key
+            bounds; "keys": by their keys' far logits, ``fold.attention``'s), ``sinks`` (4),
             ``recent`` (2044), ``reference_len`` (YaRN's R, 4096), ``rope_theta`` (YaRN's base, None:
             read off the drafter's inv_freq), ``training_length`` (ReRoPE, 4096), ``infllm_block`` (128),
             ``infllm_init`` (128), ``infllm_topk`` (16), ``infllm_repr`` (4), ``cmr_chunk`` (32),

@@ -212,7 +212,7 @@ class Read:
         return sliding_state(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal)[0]
 
 
-OPTIONS = dict(window=2048, alpha=2.0, backend="auto", far_budget=None, far_page=64, sinks=4, recent=2044, reference_len=4096, rope_theta=None,
+OPTIONS = dict(window=2048, alpha=2.0, backend="auto", far_budget=None, far_page=64, far_rank="bound", sinks=4, recent=2044, reference_len=4096, rope_theta=None,
                training_length=4096, infllm_block=128, infllm_init=128, infllm_topk=16, infllm_repr=4,
                cmr_chunk=32, cmr_top=64, cmr_every=8)
 _MINIMUM = dict(window=0, far_page=1, sinks=0, recent=0, reference_len=1, training_length=2, infllm_block=1, infllm_init=0,
@@ -246,6 +246,12 @@ def validate_options(options: dict) -> dict:
         out["far_budget"] = int(budget)
     if out["backend"] not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {out['backend']!r}")
+    from fold.far_pages import RANKS
+
+    if not isinstance(out["far_rank"], str):
+        raise TypeError(f"far_rank must be one of {RANKS}, got {out['far_rank']!r}")
+    if out["far_rank"] not in RANKS:
+        raise ValueError(f"far_rank must be one of {RANKS}, got {out['far_rank']!r}")
     theta = out["rope_theta"]
     if theta is not None and (isinstance(theta, bool) or not isinstance(theta, numbers.Real)
                               or not (math.isfinite(theta) and theta > 1)):
@@ -281,7 +287,8 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
     ``request`` = dict(prompt_len, max_new_tokens, block_size): YaRN's per-request factor needs it.
     ``options`` (checked by name and range before any work; defaults in :data:`OPTIONS`):
     ``window`` (int >= 0), ``alpha`` ([1, 1e4]), ``backend`` ("auto", "torch", "triton"), ``far_budget``
-    (None or int >= 1; ``fold`` only) and ``far_page`` (>= 1, entries per far page), ``sinks``
+    (None or int >= 1; ``fold`` only), ``far_page`` (>= 1, entries per far page) and ``far_rank``
+    ("bound" or "keys", how far pages are ranked: ``fold.attention``'s), ``sinks``
     (>= 0), ``recent`` (>= 0), ``reference_len`` (>= 1), ``rope_theta`` (None or > 1),
     ``training_length`` (>= 2), ``infllm_block`` (>= 1), ``infllm_init`` (>= 0), ``infllm_topk``
     (>= 0), ``infllm_repr`` (>= 1), ``cmr_chunk``, ``cmr_top``, ``cmr_every`` (>= 1).
@@ -365,9 +372,9 @@ class FoldRead:
     grows); ``far_budget=None`` reads every far entry."""
 
     def __init__(self, rope: fold.Rope, window: int, alpha: float, backend: str, far_budget: int | None = None,
-                 far_page: int = 64):
+                 far_page: int = 64, far_rank: str = "bound"):
         self.rope, self.window, self.alpha, self.backend = rope, window, alpha, backend
-        self.far_budget, self.far_page = far_budget, far_page
+        self.far_budget, self.far_page, self.far_rank = far_budget, far_page, far_rank
         self.short = CachedPlainRead(rope)
         self.page_bounds = None if far_budget is None else PageBounds(far_page)
 
@@ -375,7 +382,7 @@ class FoldRead:
         """``fold.attention``'s far-budget arguments for layer ``layer``'s cache ``k`` (``n`` committed)."""
         if self.far_budget is None:
             return {}
-        return dict(far_budget=self.far_budget, far_page=self.far_page,
+        return dict(far_budget=self.far_budget, far_page=self.far_page, far_rank=self.far_rank,
                     far_bounds=self.page_bounds.bounds(layer, k, n))
 
     def __call__(self, q, k, v, layer):
@@ -427,7 +434,7 @@ POLICIES = {
     "window": Policy(full=lambda rope, o, request: lambda q, k, v, layer: window_read(
         q, k, v, rope=rope, window=o["window"], backend=o["backend"])),
     "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], float(o["alpha"]), o["backend"],
-                                                          o["far_budget"], o["far_page"]),
+                                                          o["far_budget"], o["far_page"], o["far_rank"]),
                    sliding=lambda rope, o, full: full.sliding),
     "streaming": Policy(full=lambda rope, o, request: lambda q, k, v, layer: streaming_read(
         q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"], backend=o["backend"])),

@@ -231,7 +231,8 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
             q = q * rerope_scale(seq_lens, q.shape[1], read.training_length)[:, :, None, None].to(q.dtype)
         budget = {}
         if self.budgeted:
-            budget = dict(far_budget=read.far_budget, far_page=k_pages.shape[1], far_bounds=self.bounds_for(k_pages))
+            budget = dict(far_budget=read.far_budget, far_page=k_pages.shape[1], far_bounds=self.bounds_for(k_pages),
+                          far_rank=read.far_rank)
         o, lse = fold.attention(
             q, k_pages, v_pages, window=read.window, rope=self.rope, alpha=read.alpha if read.read == "fold" else 1.0,
             cache_seqlens=seq_lens, block_table=block_table, keys_rotated=True, queries_rotated=True,

@@ -5,6 +5,7 @@ vLLM hands the drafter's config.json to the drafter model (the speculative confi
 
     "fold": {"read": "fold", "window": 2048, "alpha": 2.0}
     "fold": {"read": "fold", "window": 2048, "alpha": 2.0, "far_budget": 1024}     # "far_page": block size
+    "fold": {"read": "fold", "window": 2048, "alpha": 2.0, "far_budget": 1024, "far_rank": "keys"}
     "fold": {"read": "window", "window": 2048}
     "fold": {"read": "rerope", "window": 2048, "training_length": 4096}
     "fold": {"read": "stock"}
@@ -14,8 +15,8 @@ No block (or ``"read": "stock"``) leaves vLLM's own drafter read in place. Every
 ``"triton"`` (the kernels; on a CPU only under ``TRITON_INTERPRET=1``, which then runs exactly the
 launches a GPU would) or ``"torch"``. ``"far_budget"`` N (``fold`` only) has the far branch read at
 most ``N // far_page`` pages per request and KV head, chosen by per-page key bounds the backend keeps
-beside the cache; ``"far_page"`` must equal the drafter cache's block size (its pages are the far
-pages) and defaults to it. A block with a bad value stops the engine at start with a
+beside the cache (``"far_rank": "keys"``: ranked by the pages' keys, ``fold.attention``'s ``far_rank``);
+``"far_page"`` must equal the drafter cache's block size (its pages are the far pages) and defaults to it. A block with a bad value stops the engine at start with a
 ``ValueError`` naming the field, raised in the process the user started (:func:`check_engine_config`).
 This module imports no vLLM.
 """
@@ -31,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fold.attention import BACKENDS, MAX_ALPHA
+from fold.far_pages import RANKS
 
 READS = ("fold", "window", "rerope", "stock")
-_FIELDS = {"fold": {"read", "window", "alpha", "backend", "far_budget", "far_page"}, "window": {"read", "window", "backend"},
+_FIELDS = {"fold": {"read", "window", "alpha", "backend", "far_budget", "far_page",
+                    "far_rank"}, "window": {"read", "window", "backend"},
            "rerope": {"read", "window", "training_length", "backend"}, "stock": {"read"}}
 
 
@@ -43,7 +46,7 @@ class ServeRead:
     positions); ``alpha`` (``fold`` only); ``training_length`` (``rerope``'s query scaling
     ``max(1, log(p + 1) / log(training_length))``); ``backend`` (``fold.attention``'s); ``far_budget``
     (``fold`` only: None reads every far entry, N at most ``N // far_page`` far pages) and ``far_page``
-    (None: the cache's block size, which it must equal)."""
+    (None: the cache's block size, which it must equal), ``far_rank`` (``fold.attention``'s)."""
 
     read: str = "stock"
     window: int = 0
@@ -52,6 +55,7 @@ class ServeRead:
     backend: str = "auto"
     far_budget: int | None = None
     far_page: int | None = None
+    far_rank: str = "bound"
 
     def check_pages(self, block_size: int, n_q: int | None = None) -> None:
         """``far_page`` against the drafter cache's ``block_size``, and ``far_budget`` against the pages a
@@ -111,7 +115,12 @@ def parse_block(block) -> ServeRead:
             raise ValueError(f"fold.{name} must be an integer >= 1, got {value!r}")
     if far_page is not None and far_budget is None:
         raise ValueError("fold.far_page sizes the pages of far_budget; give far_budget too")
-    return ServeRead(read, window, float(alpha), training_length, backend, far_budget, far_page)
+    far_rank = block.get("far_rank", "bound")
+    if far_rank not in RANKS:
+        raise ValueError(f"fold.far_rank must be one of {RANKS}, got {far_rank!r}")
+    if "far_rank" in block and far_budget is None:
+        raise ValueError("fold.far_rank ranks the pages of far_budget; give far_budget too")
+    return ServeRead(read, window, float(alpha), training_length, backend, far_budget, far_page, far_rank)
 
 
 def read_of(hf_config) -> ServeRead:
@@ -120,7 +129,7 @@ def read_of(hf_config) -> ServeRead:
 
 
 def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, training_length=None, backend=None,
-              far_budget=None, far_page=None, max_model_len=None, raise_max_position=False) -> Path:
+              far_budget=None, far_page=None, far_rank=None, max_model_len=None, raise_max_position=False) -> Path:
     """Write ``out_dir``: the drafter of ``drafter_dir`` with a ``fold`` block in its config.json (every
     other file linked, not copied), so one checkpoint serves several reads. Returns ``out_dir``.
 
@@ -141,7 +150,8 @@ def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, tra
         raise ValueError(f"drafter_dir must hold a config.json, not found: {config_path}")
     block = {"read": read}
     for name, value in (("window", window), ("alpha", alpha), ("training_length", training_length),
-                        ("backend", backend), ("far_budget", far_budget), ("far_page", far_page)):
+                        ("backend", backend), ("far_budget", far_budget), ("far_page", far_page),
+                        ("far_rank", far_rank)):
         if value is not None:
             block[name] = value
     parse_block(block)                                                  # refuse a bad block before writing

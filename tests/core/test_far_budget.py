@@ -39,10 +39,10 @@ def budget_cases(draw, dtypes, max_len_cap=600):
     return case, page, slots * page + draw(st.integers(0, page - 1))
 
 
-def check_budget_against_reference(case, page, budget, backend, *, paged=False, bounds_given=False):
+def check_budget_against_reference(case, page, budget, backend, *, paged=False, bounds_given=False, rank="bound"):
     q, k, v, seqlens = make_inputs(case, pad=0.0 if paged else float("nan"))
     kw = kwargs_of(case, seqlens)
-    ref = dict(far_budget=budget, far_page=page)
+    ref = dict(far_budget=budget, far_page=page, far_rank=rank)
     truth = fold_attention_ref(q, k, v, **kw, **ref)
     twin = fold_attention_ref(q, k, v, **kw, **ref, upcast=False)
     rope = rope_of(case)
@@ -58,14 +58,20 @@ def check_budget_against_reference(case, page, budget, backend, *, paged=False, 
     assert_close("lse", lse, truth[1], twin[1], case.dtype)
 
 
+RANK = st.sampled_from(far_pages.RANKS)
+
+
 @given(spec=budget_cases(dtypes=[torch.float32, torch.float16, torch.bfloat16, torch.float64]),
-       paged=st.booleans(), bounds_given=st.booleans())
+       paged=st.booleans(), bounds_given=st.booleans(), rank=RANK)
 @example(spec=(Case(batch=2, n_q=7, heads_kv=2, group=4, head_dim=64, max_len=900, seqlens=(900, 300), window=32,
                     keys_rotated=True, queries_rotated=True, attention_factor=1.25), 16, 96),
-         paged=True, bounds_given=True)
-def test_torch_matches_reference(spec, paged, bounds_given):
+         paged=True, bounds_given=True, rank="bound")
+@example(spec=(Case(batch=2, n_q=7, heads_kv=2, group=4, head_dim=64, max_len=900, seqlens=(900, 300), window=32,
+                    keys_rotated=True, queries_rotated=True, attention_factor=1.25), 16, 96),
+         paged=True, bounds_given=False, rank="keys")
+def test_torch_matches_reference(spec, paged, bounds_given, rank):
     case, page, budget = spec
-    check_budget_against_reference(case, page, budget, "torch", paged=paged, bounds_given=bounds_given)
+    check_budget_against_reference(case, page, budget, "torch", paged=paged, bounds_given=bounds_given, rank=rank)
 
 
 configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]),
@@ -74,17 +80,18 @@ configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64]), block_n=s
 
 @INTERPRETED
 @given(spec=budget_cases(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_len_cap=400),
-       paged=st.booleans(), bounds_given=st.booleans(), config=configs)
+       paged=st.booleans(), bounds_given=st.booleans(), config=configs, rank=RANK)
 @example(spec=(Case(batch=2, n_q=7, heads_kv=2, group=4, head_dim=64, rotary_dim=40, interleaved=True, max_len=500,
                     seqlens=(500, 200), window=24, keys_rotated=True, queries_rotated=True, attention_factor=1.25),
-               16, 80), paged=True, bounds_given=True, config=FoldConfig(32, 64, 8, 4, 2))
+               16, 80), paged=True, bounds_given=True, config=FoldConfig(32, 64, 8, 4, 2), rank="keys")
 @example(spec=(Case(batch=1, n_q=4, group=2, max_len=300, window=8, sliding_window=12, causal=True), 4, 20),
-         paged=False, bounds_given=False, config=FoldConfig(16, 16, 3, 4, 2))
-def test_triton_matches_reference(spec, paged, bounds_given, config):
+         paged=False, bounds_given=False, config=FoldConfig(16, 16, 3, 4, 2), rank="bound")
+def test_triton_matches_reference(spec, paged, bounds_given, config, rank):
     """The far launch over a page list (in the interpreter; bf16 through its upcast path) against the reference."""
     case, page, budget = spec
     with use_config(config):
-        check_budget_against_reference(case, page, budget, "triton", paged=paged, bounds_given=bounds_given)
+        check_budget_against_reference(case, page, budget, "triton", paged=paged, bounds_given=bounds_given,
+                                       rank=rank)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -224,11 +231,16 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="far_bounds"):
         fold.attention(q, kp, vp, **paged, far_budget=64, far_page=16,
                        far_bounds=far_pages.empty_bounds(13, 1, 32, batch=1))
+    with pytest.raises(ValueError, match="far_rank"):
+        fold.attention(q, k, v, **kw, far_budget=64, far_page=16, far_rank="box")
+    with pytest.raises(TypeError, match="far_rank"):
+        fold.attention(q, k, v, **kw, far_budget=64, far_page=16, far_rank=None)
     # without a budget, far_page is the default of any page size and far_bounds is ignored
     fold.attention(q, kp, vp, **paged)
 
 
-def test_the_torch_path_selects_without_host_reads_beyond_its_own():
+@pytest.mark.parametrize("rank", far_pages.RANKS)
+def test_the_torch_path_selects_without_host_reads_beyond_its_own(rank):
     """The selection (fold.attention -> far_pages) reads nothing on the host; the torch path's own reads
     (cache_seqlens.tolist()) are what they were without a budget."""
     from tests.helpers import HostReads
@@ -240,14 +252,14 @@ def test_the_torch_path_selects_without_host_reads_beyond_its_own():
     with HostReads() as plain:
         fold.attention(q, k, v, **kw, backend="torch")
     with HostReads() as budgeted:
-        fold.attention(q, k, v, **kw, far_budget=48, far_page=16, backend="torch")
+        fold.attention(q, k, v, **kw, far_budget=48, far_page=16, far_rank=rank, backend="torch")
     assert [c for c in budgeted.calls if c[1] == "fold.far_pages"] == []
     assert sorted(budgeted.calls) == sorted(plain.calls)
 
 
-@pytest.mark.parametrize("bounds_given", [False, True])
+@pytest.mark.parametrize("bounds_given,rank", [(False, "bound"), (True, "bound"), (True, "keys")])
 @pytest.mark.parametrize("keys_rotated", [False, True])
-def test_the_triton_path_reads_no_tensor_on_the_host(bounds_given, keys_rotated):
+def test_the_triton_path_reads_no_tensor_on_the_host(bounds_given, rank, keys_rotated):
     """A budgeted read as engines call it (paged, range checks off): bounds, selection and launches
     read nothing on the host, so a CUDA graph can capture it."""
     from tests.helpers import HostReads
@@ -261,7 +273,8 @@ def test_the_triton_path_reads_no_tensor_on_the_host(bounds_given, keys_rotated)
                                     rope=rope) if bounds_given else None)
     kw = dict(kwargs_of(case, seqlens), block_table=table, check_ranges=False)
     with HostReads() as reads:
-        out = fold.attention(q, kp, vp, **kw, far_budget=64, far_page=16, far_bounds=bounds, backend="triton")
+        out = fold.attention(q, kp, vp, **kw, far_budget=64, far_page=16, far_bounds=bounds, far_rank=rank,
+                             backend="triton")
         slots = torch.full((6,), -1)
         slots[:3] = torch.tensor([0, 17, 33])
         far_pages.update_bounds(far_pages.empty_bounds(kp.shape[0], 2, 32), kp[0, :6], far_page=16,

@@ -143,8 +143,10 @@ def test_bad_arguments_name_themselves():
 
 @settings(max_examples=20)
 @given(n_q=st.sampled_from([1, 3, 7]), page=st.sampled_from([1, 4, 16]), group=st.integers(1, 3),
-       queries_rotated=st.booleans(), keys_rotated=st.booleans(), slots=st.integers(0, 6), seed=st.integers(0, 999))
-def test_select_pages_agrees_with_the_reference_rule(n_q, page, group, queries_rotated, keys_rotated, slots, seed):
+       queries_rotated=st.booleans(), keys_rotated=st.booleans(), slots=st.integers(0, 6), seed=st.integers(0, 999),
+       rank=st.sampled_from(far_pages.RANKS))
+def test_select_pages_agrees_with_the_reference_rule(n_q, page, group, queries_rotated, keys_rotated, slots, seed,
+                                                     rank):
     case = Case(batch=2, n_q=n_q, heads_kv=2, group=group, max_len=150, seqlens=(150, 61), window=9,
                 attention_factor=1.25, keys_rotated=keys_rotated, queries_rotated=queries_rotated, seed=seed)
     q, k, _, seqlens = make_inputs(case)
@@ -155,11 +157,12 @@ def test_select_pages_agrees_with_the_reference_rule(n_q, page, group, queries_r
     q_far = far_pages.far_queries(q, rope, seqlens, window=case.window, max_len=case.max_len,
                                   queries_rotated=queries_rotated)
     got = far_pages.select_pages(q_far, bounds, seqlens, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
-                                 num_slots=budget // page, scale=0.3)
+                                 num_slots=budget // page, scale=0.3, rank=rank, keys=k, keys_rotated=keys_rotated,
+                                 rope=rope)
     for b, length in enumerate(case.seqlens):
         want = select_far_pages_ref(q[b], k[b, :length], n=length - n_q, span=span, window=case.window, rope=rope,
                                     scale=0.3, far_budget=budget, far_page=page, keys_rotated=keys_rotated,
-                                    queries_rotated=queries_rotated)
+                                    queries_rotated=queries_rotated, rank=rank)
         for h in range(2):
             listed = got[b, h][got[b, h] >= 0].tolist()
             assert listed == sorted(listed)
@@ -180,8 +183,8 @@ def test_ties_go_to_the_lower_page():
 
 
 @settings(max_examples=6)
-@given(group=st.integers(1, 3), slots=st.integers(1, 12), seed=st.integers(0, 999))
-def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slots, seed):
+@given(group=st.integers(1, 3), slots=st.integers(1, 12), seed=st.integers(0, 999), rank=st.sampled_from(far_pages.RANKS))
+def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slots, seed, rank):
     """With more groups of pages than the selection ranks page by page (pages of 1 entry: 56 groups of
     16, of which max(2 K, 16) are ranked), the op and the reference still agree page for page, and a key
     planted to dominate the group's queries is read."""
@@ -196,9 +199,9 @@ def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slo
     assert far_pages.shortlist_size(budget // page) * far_pages.GROUP_PAGES < case.max_len - span
     bounds = far_pages.page_bounds(k, page, rope=rope)
     got = far_pages.select_pages(q_far, bounds, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
-                                 num_slots=budget // page, scale=0.3)
+                                 num_slots=budget // page, scale=0.3, rank=rank, keys=k, rope=rope)
     want = select_far_pages_ref(q[0], k[0], n=case.max_len - n_q, span=span, window=case.window, rope=rope,
-                                scale=0.3, far_budget=budget, far_page=page)
+                                scale=0.3, far_budget=budget, far_page=page, rank=rank)
     for h in range(2):
         listed = got[0, h][got[0, h] >= 0].tolist()
         assert listed == torch.nonzero(want[h]).flatten().tolist(), h
@@ -207,5 +210,26 @@ def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slo
     kp, table = to_pages(k, [case.max_len], page, torch.Generator().manual_seed(seed))
     paged = far_pages.page_bounds(kp, page, cache_seqlens=torch.tensor([case.max_len]), block_table=table, rope=rope)
     got_paged = far_pages.select_pages(q_far, paged, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
-                                       num_slots=budget // page, scale=0.3, block_table=table)
+                                       num_slots=budget // page, scale=0.3, block_table=table, rank=rank, keys=kp,
+                                       rope=rope)
     assert torch.equal(got_paged, got)
+
+
+def test_keys_rank_finds_the_entry_a_box_hides():
+    """One far page holds a single key aligned with the query (logit 6 |q|, its box tight), the others keys
+    spread in every dimension (largest logits ~2.5 |q|, boxes ~0.8 sqrt(d) times wider): the box bound
+    ranks the spread pages first, rank="keys" reads the needle's page."""
+    g = torch.Generator().manual_seed(3)
+    d, page, pages = 64, 16, 12
+    rope = fold.Rope.from_theta(10000.0, d)
+    q = torch.randn(1, 1, 1, d, generator=g)
+    q_far = far_pages.far_queries(q, rope, None, window=0, max_len=pages * page, queries_rotated=False)
+    k = torch.randn(1, pages * page, 1, d, generator=g)
+    k[0, 5 * page:6 * page] = 0.0
+    k[0, 5 * page + 7, 0] = 6.0 * q_far[0, 0, 0] / q_far[0, 0, 0].norm()
+    bounds = far_pages.page_bounds(k, page)
+    common = dict(max_len=pages * page, n_q=1, span=1, far_page=page, num_slots=2, scale=0.125)
+    by_box = far_pages.select_pages(q_far, bounds, None, **common)
+    by_keys = far_pages.select_pages(q_far, bounds, None, **common, rank="keys", keys=k, rope=rope)
+    assert 5 not in by_box[0, 0].tolist()
+    assert by_keys[0, 0].tolist() == [5, pages - 1]            # the needle's page, and the block's own

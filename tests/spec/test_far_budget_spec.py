@@ -39,21 +39,24 @@ def _recording(drafter):
     return drafts
 
 
-def test_lossless_with_a_budget_batch_one(pair):
+@pytest.mark.parametrize("rank", ["bound", "keys"])
+def test_lossless_with_a_budget_batch_one(pair, rank):
     """Window 8, pages of 4, a budget of 4 pages (2 for the pages the block straddles, 2 chosen by their
-    bounds) over a far memory of up to 17 pages: the output is the target's own greedy output."""
+    bounds or keys) over a far memory of up to 17 pages: the output is the target's own greedy output."""
     target, drafter = pair
     (ids,) = _prompts([56])
-    result = spec.generate(target, drafter, ids[None], max_new_tokens=24, window=8, far_budget=16, far_page=P)
+    result = spec.generate(target, drafter, ids[None], max_new_tokens=24, window=8, far_budget=16, far_page=P,
+                           far_rank=rank)
     assert torch.equal(result.sequences[0], greedy_ar(target, ids, 24))
 
 
-def test_lossless_with_a_budget_batch_three_left_padded(pair):
+@pytest.mark.parametrize("rank", ["bound", "keys"])
+def test_lossless_with_a_budget_batch_three_left_padded(pair, rank):
     target, drafter = pair
     prompts = _prompts([40, 17, 53], seed=1)
     ids, mask = padded_batch(prompts, "left")
     result = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, window=8, far_budget=16,
-                           far_page=P)
+                           far_page=P, far_rank=rank)
     for b, p in enumerate(prompts):
         want = greedy_ar(target, p, 20)
         assert torch.equal(result.sequences[b, :len(want)], want)
@@ -113,9 +116,10 @@ def test_a_truncated_cache_keeps_bounds_that_still_bound():
     assert torch.equal(again[0, 4:8], exact[0, 4:8])  # pages rewritten from offset 0 start fresh boxes
 
 
-def test_the_budgeted_read_is_fold_attention_with_the_kept_bounds():
-    """FoldRead passes far_budget, far_page and the kept bounds to fold.attention: its output is the
-    op's with bounds built from scratch."""
+@pytest.mark.parametrize("rank", ["bound", "keys"])
+def test_the_budgeted_read_is_fold_attention_with_the_kept_bounds(rank):
+    """FoldRead passes far_budget, far_page, far_rank and the kept bounds to fold.attention: its output is
+    the op's with bounds built from scratch."""
     from fold.spec.policies import make_read
 
     rope = fold.Rope.from_theta(1e4, D)
@@ -123,9 +127,10 @@ def test_the_budgeted_read_is_fold_attention_with_the_kept_bounds():
     q = torch.randn(1, 4, 4, D, generator=g)
     k, v = torch.randn(1, 44, HKV, D, generator=g), torch.randn(1, 44, HKV, D, generator=g)
     read = make_read("fold", rope, request=dict(prompt_len=40, max_new_tokens=4, block_size=4), window=8,
-                     far_budget=16, far_page=P)
+                     far_budget=16, far_page=P, far_rank=rank)
     bounds = far_pages.page_bounds(k, P, cache_seqlens=torch.tensor([40]))
-    want = fold.attention(q, k, v, window=8, rope=rope, alpha=2.0, far_budget=16, far_page=P, far_bounds=bounds)
+    want = fold.attention(q, k, v, window=8, rope=rope, alpha=2.0, far_budget=16, far_page=P, far_bounds=bounds,
+                          far_rank=rank)
     assert torch.equal(read(q, k, v, 0), want)
     assert not torch.equal(want, fold.attention(q, k, v, window=8, rope=rope, alpha=2.0))   # pages were left out
 

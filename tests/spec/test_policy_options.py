@@ -40,6 +40,8 @@ BAD = [
     ("fold", dict(far_budget=True), TypeError, "far_budget must be None (every far entry) or an int >= 1, got True"),
     ("fold", dict(far_budget=64, far_page=0), ValueError, "far_page must be an int >= 1, got 0"),
     ("window", dict(far_budget=64), ValueError, "far_budget applies to policy='fold' only"),
+    ("fold", dict(far_budget=64, far_rank="box"), ValueError, "far_rank must be one of ('bound', 'keys'), got 'box'"),
+    ("fold", dict(far_budget=64, far_rank=1), TypeError, "far_rank must be one of ('bound', 'keys'), got 1"),
     # a block of 4 rows straddles up to 2 pages of 4: a budget of one page cannot hold them
     ("fold", dict(far_budget=7, far_page=4), ValueError, "far_budget must hold at least 2 pages of far_page=4 "
                                                           "entries for a block of 4 rows"),

@@ -19,6 +19,8 @@ from fold.vllm import ServeRead, configure, parse_block
     ({"read": "fold", "window": 16, "far_budget": 1024}, ServeRead("fold", 16, 2.0, far_budget=1024)),
     ({"read": "fold", "window": 16, "far_budget": 64, "far_page": 16},
      ServeRead("fold", 16, 2.0, far_budget=64, far_page=16)),
+    ({"read": "fold", "window": 16, "far_budget": 64, "far_rank": "keys"},
+     ServeRead("fold", 16, 2.0, far_budget=64, far_rank="keys")),
 ])
 def test_blocks_parse(block, want):
     got = parse_block(block)
@@ -43,6 +45,9 @@ def test_blocks_parse(block, want):
     ({"read": "fold", "window": 8, "far_budget": True}, "fold.far_budget must be an integer >= 1, got True"),
     ({"read": "fold", "window": 8, "far_budget": 64, "far_page": 0}, "fold.far_page must be an integer >= 1"),
     ({"read": "fold", "window": 8, "far_page": 16}, "fold.far_page sizes the pages of far_budget"),
+    ({"read": "fold", "window": 8, "far_budget": 64, "far_rank": "box"},
+     "fold.far_rank must be one of ('bound', 'keys'), got 'box'"),
+    ({"read": "fold", "window": 8, "far_rank": "keys"}, "fold.far_rank ranks the pages of far_budget"),
     ({"read": "window", "window": 8, "far_budget": 64}, "fold.far_budget is not a field of read='window'"),
     ({"read": "rerope", "window": 8, "far_budget": 64}, "fold.far_budget is not a field of read='rerope'"),
 ])
@@ -127,8 +132,9 @@ def test_configure_writes_the_far_budget(tmp_path):
     src = tmp_path / "drafter"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
-    out = configure(src, tmp_path / "drafter-budget", read="fold", window=64, far_budget=1024, far_page=16)
+    out = configure(src, tmp_path / "drafter-budget", read="fold", window=64, far_budget=1024, far_page=16,
+                    far_rank="keys")
     assert json.loads((out / "config.json").read_text())["fold"] == {"read": "fold", "window": 64, "far_budget": 1024,
-                                                                     "far_page": 16}
+                                                                     "far_page": 16, "far_rank": "keys"}
     with pytest.raises(ValueError, match="fold.far_budget must be an integer >= 1"):
         configure(src, tmp_path / "bad", read="fold", window=64, far_budget=-1)

@@ -83,13 +83,14 @@ def test_a_budget_covering_every_page_reads_as_fold(backend, sliding):
     torch.testing.assert_close(covered, full, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_budgeted_read_is_fold_attention_over_the_kept_bounds(backend):
+@pytest.mark.parametrize("backend,rank", [("torch", "bound"), ("triton", "bound"), ("torch", "keys"),
+                                          ("triton", "keys")])
+def test_the_budgeted_read_is_fold_attention_over_the_kept_bounds(backend, rank):
     """forward() with a 2-page budget is fold.attention(far_budget=, far_page=block size, far_bounds=)
     over the pages, the block table and the bounds built from scratch."""
     import fold
 
-    read = ServeRead("fold", 8, 2.0, backend=backend, far_budget=2 * PAGE)
+    read = ServeRead("fold", 8, 2.0, backend=backend, far_budget=2 * PAGE, far_rank=rank)
     output, impl, q, kv_cache, cad = _forward(read)
     k_pages, v_pages = cache_pages(kv_cache, D)
     bounds = far_pages.page_bounds(k_pages, PAGE, cache_seqlens=torch.tensor(LENGTHS),
@@ -97,7 +98,7 @@ def test_the_budgeted_read_is_fold_attention_over_the_kept_bounds(backend):
     want = fold.attention(q.view(3, 4, *q.shape[1:]), k_pages, v_pages, window=8, rope=ROPE, alpha=2.0,
                           cache_seqlens=cad.seq_lens, block_table=cad.block_table_tensor, keys_rotated=True,
                           queries_rotated=True, softmax_scale=D ** -0.5, far_budget=2 * PAGE, far_page=PAGE,
-                          far_bounds=bounds, backend=backend)
+                          far_bounds=bounds, far_rank=rank, backend=backend)
     assert torch.equal(output, want.flatten(0, 1))  # the same op on the same pages and bounds
 
 
@@ -151,16 +152,19 @@ def budgeted(pairs):
     from tests.vllm.engine import MAX_TOKENS, PROMPTS, SMALL_W, configured, served
 
     runs = {}
-    for name, budget in (("budget", 64), ("covering", 4096), ("fold", None)):
-        drafter = configured(pairs, f"drafter-{name}", read="fold", window=SMALL_W, alpha=2.0, far_budget=budget)
+    for name, budget in (("budget", 64), ("keys", 64), ("covering", 4096), ("fold", None)):
+        rank = {"far_rank": "keys"} if name == "keys" else {}
+        drafter = configured(pairs, f"drafter-{name}", read="fold", window=SMALL_W, alpha=2.0, far_budget=budget,
+                             **rank)
         runs[name] = served(lambda llm: _run_with_bounds(llm, PROMPTS, MAX_TOKENS), pairs["plain"], drafter)
     return runs
 
 
-def test_a_budgeted_drafter_is_lossless_in_the_engine(budgeted, target_greedy):
+@pytest.mark.parametrize("run", ["budget", "keys"])
+def test_a_budgeted_drafter_is_lossless_in_the_engine(budgeted, target_greedy, run):
     from tests.vllm.engine import K, SMALL_W, drafting
 
-    out, calls, _ = budgeted["budget"]
+    out, calls, _ = budgeted[run]
     assert out == target_greedy[0]
     calls = drafting(calls)
     # the budget bites: far memory (entries far for row 0) beyond the 2 pages read
