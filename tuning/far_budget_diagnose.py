@@ -22,6 +22,9 @@ and heads, instead of the maximum; ``-vote`` counts each row's and head's top 16
 the block's mean query alone; ``+rest`` adds, for every page not read, one surrogate entry (the page's
 mean key and mean value, weight ``P``, plus the Gaussian variance term for ``moment`` / ``mass``).
 ``--check`` compares this script's dense read with ``fold.attention`` (full, and ``bound``).
+``--list-recall`` measures the library's own selection (``fold.far_pages.select_pages``, both ranks)
+with the list of groups ranked page by page at its size (``max(2K, 16)`` groups), at half that
+(``max(K, 8)``) and at every group: the recall of FOLD's far mass in the pages read.
 
 ``--tau RULE`` instead measures tau on the demo's retrieval cells with the fold-budget row's read
 replaced by RULE (computed densely here; lossless is checked as in fold-demo).
@@ -278,6 +281,54 @@ def analyse(q, k, v, *, window, rope, alpha, budget, page, rules):
     return out
 
 
+def _list_recall(args, target, drafter, tokenizer, held, original):
+    """``--list-recall``: fold.far_pages.select_pages on the drafter's inputs, by rank and list size."""
+    from fold import far_pages, spec
+    from fold.demo import cli
+    from fold.spec import policies
+
+    seen = []
+
+    def capture(self, q, k, v, layer):
+        if k.shape[1] - q.shape[1] > self.window:
+            seen.append((q.clone(), k.clone(), self.rope))
+        return original(self, q, k, v, layer)
+    policies.FoldRead.__call__ = capture
+    lists = {"max(2K,16)": (2, 16), "max(K,8)": (1, 8), "every group": (1 << 30, 1 << 30)}
+    saved = far_pages.SHORTLIST_PER_SLOT, far_pages.SHORTLIST_MIN
+    for length in args.lengths:
+        ids, _, _ = cli.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
+        recall = {}
+        for p in range(ids.shape[0]):
+            seen.clear()
+            spec.generate(target, drafter, ids[p:p + 1], max_new_tokens=8, policy="fold", window=args.window,
+                          alpha=args.alpha)
+            for q, k, rope in seen:
+                st = dense_states(q[0], k[0], k[0], window=args.window, rope=rope, alpha=args.alpha)
+                mass = torch.softmax(torch.where(~st["in_win"], st["s_far"], float("-inf")), -1)  # [Hq, n_q, L]
+                n_q, L, heads_kv = q.shape[1], k.shape[1], k.shape[2]
+                for page in args.page:
+                    bounds = far_pages.page_bounds(k, page)
+                    q_far = far_pages.far_queries(q, rope, None, window=args.window, max_len=L, queries_rotated=False)
+                    for name, sizes in lists.items():
+                        far_pages.SHORTLIST_PER_SLOT, far_pages.SHORTLIST_MIN = sizes
+                        for rank in far_pages.RANKS:
+                            pages = far_pages.select_pages(
+                                q_far, bounds, None, max_len=L, n_q=n_q, span=args.window + n_q, far_page=page,
+                                num_slots=args.budget // page, scale=args.alpha * q.shape[-1] ** -0.5, rank=rank,
+                                keys=k, rope=rope)
+                            read = torch.zeros(heads_kv, -(-L // page), dtype=torch.bool)
+                            for h in range(heads_kv):
+                                read[h, pages[0, h][pages[0, h] >= 0].long()] = True
+                            entries = read.repeat_interleave(st["group"], 0)[:, torch.arange(L) // page]
+                            recall.setdefault((page, name, rank), []).append(
+                                (mass * entries[:, None, :]).sum(-1).mean().item())
+                    far_pages.SHORTLIST_PER_SLOT, far_pages.SHORTLIST_MIN = saved
+        for (page, name, rank), values in recall.items():
+            print(json.dumps(dict(length=ids.shape[1], page=page, list=name, rank=rank, reads=len(values),
+                                  recall=round(statistics.mean(values), 4))), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
@@ -292,6 +343,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--check", action="store_true", help="compare the dense read with fold.attention and stop")
+    ap.add_argument("--list-recall", action="store_true", help="recall of the library's selection by list size")
     args = ap.parse_args(argv)
 
     from fold import spec
@@ -328,6 +380,9 @@ def main(argv=None):
                 mine = rule_read(st, "bound", args.budget, page, args.alpha)[0]
                 worst["bound"] = max(worst["bound"], (mine[None] - lib).abs().max().item())
         print(f"{len(seen)} reads, float64, largest difference from fold.attention: {worst}")
+        return
+    if args.list_recall:
+        _list_recall(args, target, drafter, tokenizer, held, original)
         return
     if args.tau is None:
         seen = []
