@@ -210,16 +210,19 @@ def _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, quer
     if slots * far_page >= max_len - span:              # every sequence's far memory fits: read it all
         return None
     from fold import far_pages
+    from fold.torch_path import serial_on_cpu
 
     seqlens = args["cache_seqlens"]
-    if far_bounds is None:
-        far_bounds = far_pages.page_bounds(k, far_page, cache_seqlens=seqlens, block_table=block_table,
-                                           keys_rotated=keys_rotated, rope=rope, k_scale=k_scale)
-    q_far = far_pages.far_queries(q, rope, seqlens, window=window, max_len=max_len, queries_rotated=queries_rotated)
-    return far_pages.select_pages(q_far, far_bounds, seqlens, max_len=max_len, n_q=n_q, span=span,
-                                  far_page=far_page, num_slots=slots, scale=args["softmax_scale"] * alpha,
-                                  block_table=block_table, rank=far_rank, keys=k, keys_rotated=keys_rotated, rope=rope,
-                                  k_scale=k_scale)
+    with serial_on_cpu(q.device):                        # many small ops: one thread each on a CPU (as a read)
+        if far_bounds is None:
+            far_bounds = far_pages.page_bounds(k, far_page, cache_seqlens=seqlens, block_table=block_table,
+                                               keys_rotated=keys_rotated, rope=rope, k_scale=k_scale)
+        q_far = far_pages.far_queries(q, rope, seqlens, window=window, max_len=max_len,
+                                      queries_rotated=queries_rotated)
+        return far_pages.select_pages(q_far, far_bounds, seqlens, max_len=max_len, n_q=n_q, span=span,
+                                      far_page=far_page, num_slots=slots, scale=args["softmax_scale"] * alpha,
+                                      block_table=block_table, rank=far_rank, keys=k, keys_rotated=keys_rotated,
+                                      rope=rope, k_scale=k_scale)
 
 
 def validate_cache_scale(name, x) -> float:

@@ -405,6 +405,8 @@ def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table,
     h = torch.arange(heads_kv, device=dev)[None, :, None, None]
     slot = torch.arange(far_page, device=dev)
     step = max(1, KEYS_CHUNK // far_page)
+    from fold.torch_path import parallel_in_serial
+
     for c0 in range(0, C, step):
         c1 = min(c0 + step, C)
         if every_page:                                  # pages c0..c1 of every sequence: [B, C' P, Hkv, d]
@@ -415,8 +417,9 @@ def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table,
                     x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, (c1 - c0) * far_page - x.shape[1]))
             else:
                 x = keys[block_table[:, c0:c1].long().clamp(0, keys.shape[0] - 1)].flatten(1, 2)
-            x = _keys_for_bounds(x, pos, keys_rotated, rope, k_scale)
-            logits = torch.matmul(q, x.permute(0, 2, 3, 1))                             # [B, Hkv, M, C' P]
+            with parallel_in_serial():                  # the chunk's large ops on the caller's CPU threads
+                x = _keys_for_bounds(x, pos, keys_rotated, rope, k_scale)
+                logits = torch.matmul(q, x.permute(0, 2, 3, 1))                         # [B, Hkv, M, C' P]
         else:
             pos = t[..., c0:c1, None] * far_page + slot                                   # [B, Hkv, C', P]
             if block_table is None:
@@ -424,8 +427,9 @@ def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table,
             else:
                 phys = block_table.long().gather(1, t[..., c0:c1].flatten(1)).view_as(t[..., c0:c1])
                 x = keys[phys.clamp(0, keys.shape[0] - 1)[..., None], slot, h]           # [B, Hkv, C', P, d]
-            x = _keys_for_bounds(x[..., None, :], pos, keys_rotated, rope, k_scale)[..., 0, :]   # one "head" axis
-            logits = torch.matmul(q, x.flatten(2, 3).transpose(-1, -2))                  # [B, Hkv, M, C' P]
+            with parallel_in_serial():
+                x = _keys_for_bounds(x[..., None, :], pos, keys_rotated, rope, k_scale)[..., 0, :]   # one "head" axis
+                logits = torch.matmul(q, x.flatten(2, 3).transpose(-1, -2))              # [B, Hkv, M, C' P]
         logits = logits.unflatten(-1, (c1 - c0, far_page)).amax(-1)                      # [B, Hkv, M, C']
         top[..., c0:c1] = torch.where(torch.isnan(logits), float("inf"), logits)
     top = torch.where(candidate[:, :, None, :], top * scale, float("-inf"))

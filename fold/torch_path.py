@@ -21,6 +21,7 @@ regions a read, as the plain read (``tuning/results/cpu-load.md``). Angles are f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -96,32 +97,52 @@ def _serial_on_cpu(fn):
     (MKL's count is global, and is 1 while a read runs)."""
     @functools.wraps(fn)
     def serial(q, *args, **kwargs):
-        full = torch.get_num_threads()
-        if q.device.type != "cpu" or full == 1 or getattr(_THREADS, "full", None):
+        with serial_on_cpu(q.device):
             return fn(q, *args, **kwargs)
-        _THREADS.full = full
-        torch.set_num_threads(1)
-        try:
-            return fn(q, *args, **kwargs)
-        finally:
-            torch.set_num_threads(full)
-            _THREADS.full = None
     return serial
+
+
+@contextlib.contextmanager
+def serial_on_cpu(device: torch.device):
+    """The block's torch ops on one intra-op thread when ``device`` is the CPU (the caller's count kept
+    for the fused reads and restored after; see :func:`_serial_on_cpu`). A no-op on other devices, at
+    one thread, inside an outer serial block, and while ``torch.compile`` traces."""
+    full = torch.get_num_threads()
+    if (device.type != "cpu" or full == 1 or getattr(_THREADS, "full", None)
+            or torch.compiler.is_compiling()):
+        yield
+        return
+    _THREADS.full = full
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(full)
+        _THREADS.full = None
+
+
+@contextlib.contextmanager
+def parallel_in_serial():
+    """Inside :func:`serial_on_cpu`, the caller's intra-op threads back for one large op (a fused read, a
+    big product), then one thread again; a no-op outside."""
+    full = getattr(_THREADS, "full", None)
+    if not full:
+        yield
+        return
+    torch.set_num_threads(full)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def _fused_read(q, k, v, scale):
     """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim, ``N >= 1``), one dtype -> ``(o, lse)``."""
     if q.device.type == "cpu":
         # the CPU's fused flash kernel returns the LSE; it is wrong for a last dim with stride != 1
-        full = getattr(_THREADS, "full", None)
-        if full:                        # the bulk of a serial read's work: on the caller's threads
-            torch.set_num_threads(full)
-        try:
+        with parallel_in_serial():      # the bulk of a serial read's work: on the caller's threads
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None],
                                                                                 scale=scale)
-        finally:
-            if full:
-                torch.set_num_threads(1)
         return o[0], lse[0]
     work = work_dtype(q.dtype)
     state = _empty_state(q.to(work))

@@ -67,3 +67,32 @@ def test_a_read_leaves_the_thread_count_as_it_found_it():
     finally:
         mp.undo()
     assert torch.get_num_threads() == before
+
+
+def test_a_budgeted_selection_runs_serially_but_for_its_large_products():
+    """On a CPU the far-page selection's small ops run on one thread (as a read's), the keys rank's
+    per-chunk conversions and products on the caller's; afterwards the count is the caller's again."""
+    from fold import far_pages
+
+    case = Case(batch=1, n_q=4, group=2, max_len=600, window=16)
+    q, k, v, _ = make_inputs(case)
+    bounds = far_pages.page_bounds(k, 16)                    # kept bounds: _keys_for_bounds below is the ranking's
+    before = torch.get_num_threads()
+    seen = {"far_queries": [], "_keys_for_bounds": []}
+    mp = pytest.MonkeyPatch()
+    for name in seen:
+        real = getattr(far_pages, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            seen[_name].append(torch.get_num_threads())
+            return _real(*args, **kw)
+        mp.setattr(far_pages, name, spy)
+    torch.set_num_threads(2)
+    try:
+        fold.attention(q, k, v, **kwargs_of(case, None), far_budget=64, far_page=16, far_bounds=bounds,
+                       far_rank="keys", backend="torch")
+        assert torch.get_num_threads() == 2
+    finally:
+        mp.undo()
+        torch.set_num_threads(before)
+    assert seen["far_queries"] == [1] and seen["_keys_for_bounds"] and set(seen["_keys_for_bounds"]) == {2}
