@@ -21,9 +21,7 @@ It also shows how far FOLD's output moves from the plain read.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,23 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's tunin
 
 import fold  # noqa: E402
 from fold.attention import MAX_ALPHA  # noqa: E402
-from tuning.workloads import DRAFTERS, fold_call, make_inputs, sdpa_full_call, sdpa_packed_call  # noqa: E402
-
-
-def timed_rows(fns: dict, repeats: int, sync=lambda: None) -> dict:
-    """Median and (min, max) wall seconds of each function, alternated (ABC ABC ...) after a warm-up
-    call each, so every row sees the same machine state."""
-    for fn in fns.values():
-        fn()
-    sync()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(t), min(t), max(t)) for name, t in times.items()}
+from tuning.workloads import (DRAFTERS, fold_call, make_inputs, sdpa_full_call, sdpa_packed_call,  # noqa: E402
+                              timed_rows)
 
 
 def _positive_int(text):

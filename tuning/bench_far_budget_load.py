@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 
 import fold
 from fold import far_pages
-from tuning.workloads import DRAFTERS, make_inputs, sdpa_packed_call
+from tuning.workloads import DRAFTERS, make_inputs, sdpa_packed_call, timed_rows
 
 
 def rows(length: int) -> dict:
@@ -38,15 +37,8 @@ def rows(length: int) -> dict:
 
 
 def timed(fns: dict, repeats: int) -> dict:
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    """Median milliseconds of each row, alternated after a warm-up (:func:`tuning.workloads.timed_rows`)."""
+    return {name: t[0] * 1e3 for name, t in timed_rows(fns, repeats).items()}
 
 
 def main(argv=None) -> int:

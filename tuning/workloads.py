@@ -18,6 +18,8 @@ One setup (:func:`make_inputs`) serves every provider, so each reads the same ca
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -191,3 +193,19 @@ PROVIDERS = {
     "torch_flash_full": torch_flash_full_call,
     "torch_flash_paper_layout": torch_flash_paper_layout_call,
 }
+
+
+def timed_rows(fns: dict, repeats: int, sync=lambda: None) -> dict:
+    """Median and (min, max) wall seconds of each function, alternated (ABC ABC ...) after a warm-up
+    call each, so every row sees the same machine state."""
+    for fn in fns.values():
+        fn()
+    sync()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t), min(t), max(t)) for name, t in times.items()}
