@@ -339,6 +339,10 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     far_hi = win_lo + n_q - 1                           # entries < far_hi are far for some row
     if num_groups <= shortlist_size(num_slots):         # every group is listed: rank every page
         among = torch.arange(num_pages, device=dev).expand(batch, heads_kv, num_pages)
+        if rank == "keys":
+            score = _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope,
+                                k_scale, every_page=True)
+            return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
         score = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=dev)
         step = max(1, BOUNDS_CHUNK // far_page)
         for t0 in range(0, num_pages, step):            # the pages' boxes as stored: no gather
@@ -347,9 +351,6 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
                     else bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)])   # [B, T', Hkv, 2, d]
             hi, lo = (page[..., i, :].float().transpose(1, 2) for i in (0, 1))         # [B, Hkv, T', d]
             score[:, :, t0:t1] = _group_bound(q_pos, q_neg, hi, lo, scale)
-        if rank == "keys":
-            score = _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope,
-                                k_scale, every_page=True)
         return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
     group_score = torch.empty(batch, heads_kv, num_groups, dtype=torch.float32, device=dev)
     step = max(1, BOUNDS_CHUNK // (far_page * G))                                      # groups per step

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from fold.attention import MAX_ALPHA
+from fold.far_pages import RANKS
 from fold.demo import data
 
 POLICIES = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
@@ -590,7 +591,7 @@ def main(argv=None) -> int:
                     help=f"the {BUDGET_ROW} row: far entries FOLD's far branch reads per round (default {FAR_BUDGET})")
     ap.add_argument("--far-page", type=_int_at_least(1), default=FAR_PAGE,
                     help=f"the {BUDGET_ROW} row: entries per far page (default {FAR_PAGE})")
-    ap.add_argument("--far-rank", choices=("bound", "keys"), default="bound",
+    ap.add_argument("--far-rank", choices=RANKS, default="bound",
                     help=f"the {BUDGET_ROW} row: rank far pages by their key bounds (default) or by their keys")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
