@@ -37,8 +37,9 @@ RANKS = ("bound", "keys")
 
 # entries of keys turned into float32 per step of page_bounds (memory O(chunk) at any length)
 BOUNDS_CHUNK = 1 << 16
-# entries of keys per sequence and KV head scored per step of rank="keys" (its logits are [.., M, chunk])
-KEYS_CHUNK = 1 << 13
+# rows of keys (one entry of one KV head; every sequence and head together) turned into float32 and
+# scored per step of rank="keys": 8 MiB of float32 keys at d = 128, so a step's keys stay in cache
+KEYS_CHUNK = 1 << 14
 # the selection's two levels (:func:`select_pages`): pages per group, and groups ranked page by page
 GROUP_PAGES = 16
 SHORTLIST_PER_SLOT, SHORTLIST_MIN = 2, 16
@@ -67,8 +68,9 @@ def _unrotated(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch
 
 
 def _keys_for_bounds(keys, positions, keys_rotated, rope, k_scale):
-    """Stored keys ``[..., Hkv, d]`` (any float dtype, FP8 included) -> the unrotated dequantized keys, float32."""
-    x = keys.to(torch.float32)
+    """Stored keys ``[..., Hkv, d]`` (any float dtype, FP8 included) -> the unrotated dequantized keys, float32
+    (contiguous, whatever the strides of ``keys``)."""
+    x = torch.empty(keys.shape, dtype=torch.float32, device=keys.device).copy_(keys)
     if k_scale != 1.0:
         x = x * k_scale
     if keys_rotated:
@@ -391,12 +393,31 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
 
 
+def _entry_rows(keys: torch.Tensor):
+    """Keys ``[A, B, Hkv, d]`` (dense ``[batch, max_len, Hkv, d]`` or pages ``[num_blocks, P, Hkv, d]``) ->
+    ``(rows, strides)``: a view ``rows [N, d]`` of their storage, one key of one head a row, and the
+    leading dims' strides counted in rows, so that ``keys[i, j, h] == rows[i s0 + j s1 + h s2]``. Works
+    for any cache whose keys are unit-stride rows on a grid of ``d`` elements (a contiguous cache, or a
+    view such as vLLM's K half of a joint K/V tensor); else ``(None, (0, 0, 0))`` (the caller indexes)."""
+    d = keys.shape[-1]
+    strides = [s if n > 1 else 0 for n, s in zip(keys.shape[:-1], keys.stride()[:-1])]
+    if keys.stride(-1) != 1 or any(s % d or s < 0 for s in strides):
+        return None, (0, 0, 0)
+    strides = [s // d for s in strides]
+    n_rows = sum((n - 1) * s for n, s in zip(keys.shape[:-1], strides)) + 1
+    return torch.as_strided(keys, (n_rows, d), (d, 1)), tuple(strides)
+
+
 def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope, k_scale,
                 every_page=False):
     """``rank="keys"``: pages ``among [B, Hkv, C]`` -> each candidate's mean share ``[B, Hkv, C]`` over rows and
     heads ``q [B, Hkv, M, d]`` of ``softmax over candidates (scale * the page's largest far logit)``; -inf for
-    pages that are not candidates. Keys are read ``KEYS_CHUNK`` entries per sequence and KV head at a time;
-    ``every_page`` (``among`` is every page, for every head) reads them as slices, without a gather."""
+    pages that are not candidates. Keys are read about ``KEYS_CHUNK`` rows at a time (all sequences and
+    heads), each step's keys gathered head by head into ``[B, Hkv, entries, d]`` order, turned into float32
+    and multiplied while they are in cache; ``every_page`` (``among`` is every page, for every head) reads
+    them as slices, without a gather. On a CPU the steps run on the selection's one thread
+    (:func:`fold.torch_path.serial_on_cpu`): each step is a few milliseconds of work, and a parallel
+    region per op would wait for a descheduled thread on a busy host (``docs/far-budget.md``)."""
     batch, heads_kv, m, head_dim = q.shape
     C = among.shape[-1]
     dev = q.device
@@ -405,32 +426,34 @@ def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table,
     top = torch.empty(batch, heads_kv, m, C, dtype=torch.float32, device=dev)
     h = torch.arange(heads_kv, device=dev)[None, :, None, None]
     slot = torch.arange(far_page, device=dev)
-    step = max(1, KEYS_CHUNK // far_page)
-    from fold.torch_path import parallel_in_serial
+    step = max(1, KEYS_CHUNK // (batch * heads_kv * far_page))                          # pages per step
+    rows, (s0, s1, s2) = _entry_rows(keys)
 
     for c0 in range(0, C, step):
         c1 = min(c0 + step, C)
-        if every_page:                                  # pages c0..c1 of every sequence: [B, C' P, Hkv, d]
-            pos = torch.arange(c0 * far_page, c1 * far_page, device=dev)
+        if every_page:                                  # pages c0..c1 of every sequence
+            pos = torch.arange(c0 * far_page, c1 * far_page, device=dev)                  # [C' P]
             if block_table is None:
                 x = keys[:, c0 * far_page:c1 * far_page]
                 if x.shape[1] < (c1 - c0) * far_page:                                     # the last page, cut
                     x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, (c1 - c0) * far_page - x.shape[1]))
             else:
                 x = keys[block_table[:, c0:c1].long().clamp(0, keys.shape[0] - 1)].flatten(1, 2)
-            with parallel_in_serial():                  # the chunk's large ops on the caller's CPU threads
-                x = _keys_for_bounds(x, pos, keys_rotated, rope, k_scale)
-                logits = torch.matmul(q, x.permute(0, 2, 3, 1))                         # [B, Hkv, M, C' P]
+            x = x.transpose(1, 2)                                                          # [B, Hkv, C' P, d]
         else:
-            pos = t[..., c0:c1, None] * far_page + slot                                   # [B, Hkv, C', P]
+            pos = (t[..., c0:c1, None] * far_page + slot).flatten(2)                      # [B, Hkv, C' P]
             if block_table is None:
-                x = keys[torch.arange(batch, device=dev)[:, None, None, None], pos.clamp(max=keys.shape[1] - 1), h]
+                where = (torch.arange(batch, device=dev)[:, None, None], pos.clamp(max=keys.shape[1] - 1), h[..., 0])
             else:
                 phys = block_table.long().gather(1, t[..., c0:c1].flatten(1)).view_as(t[..., c0:c1])
-                x = keys[phys.clamp(0, keys.shape[0] - 1)[..., None], slot, h]           # [B, Hkv, C', P, d]
-            with parallel_in_serial():
-                x = _keys_for_bounds(x[..., None, :], pos, keys_rotated, rope, k_scale)[..., 0, :]   # one "head" axis
-                logits = torch.matmul(q, x.flatten(2, 3).transpose(-1, -2))              # [B, Hkv, M, C' P]
+                where = (phys.clamp(0, keys.shape[0] - 1)[..., None], slot, h)           # [B, Hkv, C', P] when summed
+            if rows is not None:                        # whole rows copied: far faster than indexing 3 ways
+                flat = (where[0] * s0 + where[1] * s1 + where[2] * s2).flatten()
+                x = rows.index_select(0, flat).view(batch, heads_kv, -1, head_dim)
+            else:
+                x = keys[where].flatten(2, -2)                                           # [B, Hkv, C' P, d]
+        x = _keys_for_bounds(x[..., None, :], pos, keys_rotated, rope, k_scale)[..., 0, :]       # one "head" axis
+        logits = torch.matmul(q, x.transpose(-1, -2))                                     # [B, Hkv, M, C' P]
         logits = logits.unflatten(-1, (c1 - c0, far_page)).amax(-1)                      # [B, Hkv, M, C']
         top[..., c0:c1] = torch.where(torch.isnan(logits), float("inf"), logits)
     top = torch.where(candidate[:, :, None, :], top * scale, float("-inf"))

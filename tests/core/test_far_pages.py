@@ -233,3 +233,57 @@ def test_keys_rank_finds_the_entry_a_box_hides():
     by_keys = far_pages.select_pages(q_far, bounds, None, **common, rank="keys", keys=k, rope=rope)
     assert 5 not in by_box[0, 0].tolist()
     assert by_keys[0, 0].tolist() == [5, pages - 1]            # the needle's page, and the block's own
+
+
+def _strided_like(x, layout):
+    """``x [A, B, H, d]`` stored three ways: contiguous; the K half of a joint ``[A, H, B, 2 d]`` tensor
+    transposed to ``[A, B, H, d]`` (vLLM's CPU layout: rows on a grid of d); or with one element of padding
+    per row (rows off that grid: the caller indexes)."""
+    if layout == "contiguous":
+        return x.clone()
+    if layout == "joint":
+        joint = torch.randn(x.shape[0], x.shape[2], x.shape[1], 2 * x.shape[3]).to(x.dtype)
+        k = joint.transpose(1, 2)[..., :x.shape[3]]
+    else:
+        k = torch.randn(*x.shape[:3], x.shape[3] + 1).to(x.dtype)[..., 1:]
+    k.copy_(x)
+    return k
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "joint", "padded"])
+def test_entry_rows_address_every_key(layout):
+    x = torch.randn(3, 5, 2, 4)
+    k = _strided_like(x, layout)
+    rows, (s0, s1, s2) = far_pages._entry_rows(k)
+    if layout == "padded":
+        assert rows is None
+        return
+    for i in range(3):
+        for j in range(5):
+            for h in range(2):
+                assert torch.equal(rows[i * s0 + j * s1 + h * s2], x[i, j, h])
+
+
+@pytest.mark.parametrize("layout", ["joint", "padded"])
+@pytest.mark.parametrize("max_len", [120, 900])
+def test_keys_rank_reads_the_same_pages_from_any_key_layout(layout, max_len):
+    """A cache stored as a view (vLLM's K half of a joint tensor, or rows off the grid) ranks exactly as
+    the contiguous one, dense and paged, every page listed (120 entries) or a shortlist gathered (900)."""
+    n_q, page, seed = 4, 1 if max_len == 900 else 4, 5
+    case = Case(batch=2, n_q=n_q, heads_kv=2, group=2, max_len=max_len, seqlens=(max_len, max_len - 37), window=9,
+                keys_rotated=True, seed=seed)
+    q, k, _, seqlens = make_inputs(case)
+    rope = rope_of(case)
+    q_far = far_pages.far_queries(q, rope, seqlens, window=case.window, max_len=max_len, queries_rotated=False)
+    common = dict(max_len=max_len, n_q=n_q, span=case.window + n_q, far_page=page, num_slots=5, scale=0.3,
+                  rank="keys", keys_rotated=True, rope=rope)
+    bounds = far_pages.page_bounds(k, page, cache_seqlens=seqlens, keys_rotated=True, rope=rope)
+    want = far_pages.select_pages(q_far, bounds, seqlens, keys=k, **common)
+    assert (want[..., 2:] >= 0).any()                   # some candidate was ranked and read
+    got = far_pages.select_pages(q_far, bounds, seqlens, keys=_strided_like(k, layout), **common)
+    assert torch.equal(got, want)
+    kp, table = to_pages(k, seqlens.tolist(), page, torch.Generator().manual_seed(seed))
+    paged = far_pages.page_bounds(kp, page, cache_seqlens=seqlens, block_table=table, keys_rotated=True, rope=rope)
+    for keys in (kp, _strided_like(kp, layout)):
+        got = far_pages.select_pages(q_far, paged, seqlens, keys=keys, block_table=table, **common)
+        assert torch.equal(got, want)
