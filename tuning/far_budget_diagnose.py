@@ -27,10 +27,14 @@ with the list of groups ranked page by page at its size (``max(2K, 16)`` groups)
 (``max(K, 8)``) and at every group: the recall of FOLD's far mass in the pages read.
 
 ``--tau RULE`` instead measures tau on the demo's retrieval cells with the fold-budget row's read
-replaced by RULE (computed densely here; lossless is checked as in fold-demo).
+replaced by RULE (computed densely here; lossless is checked as in fold-demo). With ``--real`` it runs
+``fold-demo --real``'s cells instead (the real pair, W = 256, the same prompts: the planted ``retrieval``
+task's first prompts whose value the target retrieves) and prints each prompt's tau for full FOLD and
+for RULE.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tuning/far_budget_diagnose.py --lengths 4096 8192 --prompts 3
     OMP_NUM_THREADS=1 PYTHONPATH=. python tuning/far_budget_diagnose.py --tau exact --lengths 8192
+    OMP_NUM_THREADS=1 PYTHONPATH=. python tuning/far_budget_diagnose.py --real --tau mass --lengths 8128 --prompts 6
 """
 
 from __future__ import annotations
@@ -335,7 +339,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--page", type=int, nargs="+", default=[64])
-    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--window", type=int, default=None, help="default: 128, or 256 with --real")
     ap.add_argument("--alpha", type=float, default=2.0)
     ap.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
     ap.add_argument("--tau", choices=RULES, default=None, help="measure tau with this rule instead")
@@ -344,15 +348,27 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--check", action="store_true", help="compare the dense read with fold.attention and stop")
     ap.add_argument("--list-recall", action="store_true", help="recall of the library's selection by list size")
+    ap.add_argument("--real", action="store_true", help="with --tau: fold-demo --real's cells (the real pair)")
     args = ap.parse_args(argv)
+    if args.real and args.tau is None:
+        ap.error("--real goes with --tau")
 
     from fold import spec
     from fold.demo import cli, data
     from fold.spec import policies
 
-    target, drafter, anchor, tokenizer = cli.load_pair()
-    held = {name: data.encode(tokenizer, text) for name, text in data.held_out_code().items()}
-    train_len = cli.training_length()
+    if args.real:
+        from fold.demo import real
+
+        target, drafter, anchor, tokenizer = cli.load_real_pair()
+        train_len = cli.training_length(drafter_dir=real.DRAFTER_DIR)
+    else:
+        target, drafter, anchor, tokenizer = cli.load_pair()
+        train_len = cli.training_length()
+    if args.window is None:
+        args.window = cli.REAL_WINDOW if args.real else 128
+    held_text = data.held_out_code()
+    held = {name: data.encode(tokenizer, text) for name, text in held_text.items()}
     results = []
     original = policies.FoldRead.__call__
 
@@ -430,7 +446,22 @@ def main(argv=None):
             o, _ = rule_read(st, args.tau, self.far_budget, self.far_page, self.alpha)
             return o[None].to(q.dtype)
         policies.FoldRead.__call__ = replaced
-        for length in args.lengths:
+        for length in (args.lengths if args.real else ()):
+            for page in args.page:
+                recs = cli.run_comparison(target, drafter, None, tokenizer, held_ids=held, tasks=[args.task],
+                                          lengths=[length], rows=("fold", cli.BUDGET_ROW), prompts=args.prompts,
+                                          new_tokens=24, repeats=1, window=args.window, alpha=args.alpha,
+                                          seed=args.seed, train_len=train_len, last_logits_only=True,
+                                          held_text=held_text, far_budget=args.budget, far_page=page)
+                by = {r["policy"]: r for r in recs}
+                b = by[cli.BUDGET_ROW]
+                summary = dict(rule=args.tau, real=True, length=b["length"], page=page, budget=args.budget,
+                               taus_fold=by["fold"]["taus"], taus_rule=b["taus"], tau_fold=by["fold"]["tau"],
+                               tau_rule=b["tau"], minus_fold=b["tau_minus_fold"], ci=b["tau_minus_fold_ci"],
+                               lossless=b["lossless"])
+                results.append(summary)
+                print(json.dumps(summary), flush=True)
+        for length in (() if args.real else args.lengths):
             for page in args.page:
                 ids, n_new, _ = cli.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
                 rows = cli.make_rows(target, drafter, anchor, ["window", "fold", cli.BUDGET_ROW], args.window,
