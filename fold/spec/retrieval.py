@@ -186,7 +186,8 @@ def attention_query(target, index: int, hidden_in, positions):
         embeddings = rotary(x, pos)
     kwargs = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
     if "shared_kv_states" in inspect.signature(type(attn).forward).parameters:   # only the query is read
-        kwargs["shared_kv_states"] = dict.fromkeys(set(types) or {"full_attention"}, (None, None))
+        empty = x.new_empty(0)                              # a consumer moves them (.to) before the read
+        kwargs["shared_kv_states"] = dict.fromkeys(set(types) or {"full_attention"}, (empty, empty))
     captured = []
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):

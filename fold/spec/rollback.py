@@ -7,14 +7,20 @@ so each layer type of the target's cache must roll back exactly:
 - sliding window (``DynamicSlidingWindowLayer``): transformers' past recording, switched on for a
   verification (so the prompt never sits in full in a sliding layer); the verification's keys are
   kept until ``crop(-removed)`` trims the rejected ones and shrinks the layer back to ``W - 1``.
-- linear attention (``LinearAttentionLayer``, Qwen3.5's Gated DeltaNet): transformers records the
-  conv inputs but *not* the recurrent state, which the verification forward overwrites with the
-  state after every drafted token. So before each verification the conv and recurrent states are
-  copied (one copy per layer, not one per position), and on a rejection they are restored and the
-  accepted rows are replayed through that layer's mixer alone, from its input in the
-  verification's ``hidden_states`` (exact: the same recurrence over the accepted tokens). When
-  every draft is accepted the state after the verification is already right and nothing is
-  replayed. The cost per round is recorded in ``fold/spec/FAMILIES.md``.
+- linear attention (``LinearAttentionLayer``, Qwen3.5's Gated DeltaNet): fold does not switch
+  transformers' recording on for these layers (before 5.25 it keeps the conv inputs but *not* the
+  recurrent state, which the verification forward overwrites with the state after every drafted
+  token). Before each verification the conv and recurrent states are copied (one copy per layer,
+  not one per position); on a rejection they are put back in place and the accepted rows are
+  replayed through that layer's mixer alone, from its input in the verification's
+  ``hidden_states`` (exact: the same recurrence over the accepted tokens). When every draft is
+  accepted the state after the verification is already right and nothing is replayed. The cost per
+  round is recorded in ``fold/spec/FAMILIES.md``. transformers 5.25 can keep the recurrent states
+  itself (``activate_past_recording(recurrent_states_to_keep=k)``); fold keeps its replay, which
+  holds on every tested release (5.22 to 5.25) and copies one state per layer, not ``k``.
+
+Everything that depends on the transformers release (which cache layer classes exist, how past
+recording is switched, the linear layers' token counter of 5.25) is in the helpers at the top.
 
 A tree verification keeps an arbitrary path (:func:`keep_path`) in full and sliding layers;
 linear-attention targets are refused for trees (:func:`fold.spec.target.check_target`).
@@ -30,15 +36,40 @@ import torch
 from fold.spec.target import cache_kwarg, decoder_layers
 
 
+def _cache_class(name: str):
+    """A class of ``transformers.cache_utils``, or None where this release has none of that name
+    (``DummyLayer`` is 5.24+; 5.22 leaves KV-sharing consumers out of the cache instead)."""
+    from transformers import cache_utils
+
+    return getattr(cache_utils, name, None)
+
+
 def layer_kind(layer) -> str:
     """``"linear"``, ``"sliding"``, ``"full"`` or ``"none"`` (a KV-sharing consumer stores nothing)."""
-    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
-
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
+    linear, dummy = _cache_class("LinearAttentionCacheLayerMixin"), _cache_class("DummyLayer")
+    if linear is not None and isinstance(layer, linear):
         return "linear"
-    if isinstance(layer, DummyLayer):
+    if dummy is not None and isinstance(layer, dummy):
         return "none"
     return "sliding" if getattr(layer, "is_sliding", False) else "full"
+
+
+def set_recording(layer, on: bool) -> None:
+    """Switch a sliding layer's past recording on (transformers' public ``activate_past_recording``)
+    or off. transformers has no public switch-off; every tested release (5.22 to 5.25) reads the
+    flag ``record_past`` alone, so off clears it."""
+    if on:
+        layer.activate_past_recording()
+    else:
+        layer.record_past = False
+
+
+def _set_linear_length(layer, length: int) -> None:
+    """transformers 5.25 counts a linear layer's tokens (``cumulative_length_linear``, read by
+    ``Cache.get_seq_length`` when layer 0 is linear); after a rollback it must say ``length``."""
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor):
+        counter.fill_(length)
 
 
 def cache_layers(cache):
@@ -69,26 +100,25 @@ def copy_linear_states(cache) -> dict:
 
 
 def record(cache, on: bool) -> dict:
-    """Before a forward on ``cache``: sliding and linear layers record it (``on``, a verification) or not
-    (plain decoding). Returns the linear layers' state copies a rollback of it will need."""
+    """Before a forward on ``cache``: sliding layers record it (``on``, a verification) or not (plain
+    decoding). Returns the linear layers' state copies a rollback of it will need."""
     for layer in cache_layers(cache):
-        if layer_kind(layer) in ("sliding", "linear"):
-            layer.record_past = on
+        if layer_kind(layer) == "sliding":
+            set_recording(layer, on)
     return copy_linear_states(cache) if on else {}
 
 
 def _replay_linear(target, replay: Replay, cache, index: int, keep: int) -> None:
-    """Put linear-attention layer ``index`` back to its state before the verification, then run the
-    verification's first ``keep`` rows through that layer's mixer again."""
+    """Put linear-attention layer ``index`` back to its state before the verification (in place), then
+    run the verification's first ``keep`` rows through that layer's mixer again."""
     layer = cache.layers[index]
     conv, recurrent = replay.snapshots[index]
-    layer.conv_states[0] = conv
+    layer.conv_states[0].copy_(conv)
     layer.recurrent_states[0].copy_(recurrent)
     if keep:
         decoder = decoder_layers(target)[index]
         x = decoder.input_layernorm(replay.hidden_states[index][:, :keep])
         decoder.linear_attn(x, **{cache_kwarg(type(decoder.linear_attn).forward): cache})
-    layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
 
 
 def crop(target, cache, length: int, replay: Replay | None) -> None:
@@ -113,8 +143,7 @@ def crop(target, cache, length: int, replay: Replay | None) -> None:
                                    "recurrent state cannot be rolled back")
             if removed:
                 _replay_linear(target, replay, cache, i, replay.new_tokens - removed)
-            elif layer.conv_states[0] is not None:
-                layer.conv_states[0] = layer.conv_states[0][..., -layer.conv_kernel_size[0]:]
+                _set_linear_length(layer, length)
         elif kind == "sliding":
             layer.crop(-removed)                              # crop(0) shrinks back to the window
         elif kind == "full" and removed:
@@ -167,6 +196,8 @@ def key_layer(cache, index: int, layer_types) -> int:
     """The cache layer holding the keys that layer ``index`` reads: itself, or for a KV-sharing
     consumer (Gemma-4's ``num_kv_shared_layers``) the last earlier layer of its type that stores them."""
     layers = cache_layers(cache)
-    if not layers or layer_kind(layers[index]) != "none":
+    if not layers or (index < len(layers) and layer_kind(layers[index]) != "none"):
         return index
-    return max(i for i in range(index) if layer_types[i] == layer_types[index] and layer_kind(layers[i]) != "none")
+    # a consumer: a DummyLayer (5.24+), or past the end of a cache that leaves consumers out (5.22)
+    return max(i for i in range(min(index, len(layers)))
+               if layer_types[i] == layer_types[index] and layer_kind(layers[i]) != "none")

@@ -84,13 +84,14 @@ def test_rollback_continues_exactly_for_every_layer_type(family, kept):
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             assert layer.keys.shape[2] <= TARGET_WINDOW - 1 + 1        # W - 1 kept + the last forward's row
-        if hasattr(layer, "conv_states"):
-            assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0] + 1
+        if hasattr(layer, "conv_states"):                              # copied, not recorded: never grows
+            assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0]
 
 
 def test_plain_decoding_records_nothing(family):
     """spec.autoregressive's decoding steps keep sliding layers at their window and conv states at the
-    kernel, and copy no state; a verification after them records again."""
+    kernel, and copy no state; a verification after them records again in its sliding layers (linear
+    layers are copied, not recorded)."""
     _, target, prompts, _ = family
     with torch.no_grad():
         session = spec.TargetSession(target)
@@ -104,7 +105,8 @@ def test_plain_decoding_records_nothing(family):
                 if hasattr(layer, "conv_states"):
                     assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0]
         session.verify(torch.tensor([1, 2, 3]))
-        assert all(layer.record_past for layer in cache.layers if hasattr(layer, "record_past"))
+        assert all(layer.record_past for layer in cache.layers if getattr(layer, "is_sliding", False))
+        assert not any(layer.record_past for layer in cache.layers if hasattr(layer, "conv_states"))
 
 
 @pytest.mark.parametrize("policy", BUILT)
