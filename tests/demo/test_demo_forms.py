@@ -424,11 +424,9 @@ def test_train_refuses_a_cache_made_before_forms(fake_real_target, stdlib, tmp_p
 
 
 def test_a_fresh_optimizer_warms_up_again_after_resuming_from_weights():
-    from types import SimpleNamespace
-
     import train_real_drafter
 
-    args = SimpleNamespace(lr=1e-3, warmup=30, total_steps=20000, min_lr=0.1)
-    full = train_real_drafter._lr(args, 10000)                                 # a checkpoint's optimizer: no warm-up
-    assert train_real_drafter._lr(args, 10000, warm_from=10000) == pytest.approx(full / 30)
-    assert train_real_drafter._lr(args, 10029, warm_from=10000) == pytest.approx(train_real_drafter._lr(args, 10029))
+    schedule = train_real_drafter.Schedule(lr=1e-3, min_lr=0.1, warmup=30, start=0, total=20000)
+    full = schedule.at(10000)                                                  # a checkpoint's optimizer: no warm-up
+    assert schedule.at(10000, rewarm=10000) == pytest.approx(full / 30)
+    assert schedule.at(10029, rewarm=10000) == pytest.approx(schedule.at(10029))

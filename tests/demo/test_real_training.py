@@ -1,0 +1,179 @@
+"""The real drafter's training script survives interruption: a run killed at a random moment and
+resumed ends bit-exactly where an uninterrupted run ends; the schedule set once is kept across
+resumes; the small committed state resumes the step, the schedule and the data order. Tiny random
+target and feature caches in the script's own formats (the real target is not needed)."""
+
+import base64
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from fold.demo import data
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import train_real_drafter  # noqa: E402
+
+VOCAB, SEQ, TAPS, HIDDEN = 120, 48, [1, 2], 32
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny Llama target in the converted-target layout, one feature cache of form ``code``, a stdlib."""
+    root = tmp_path_factory.mktemp("real-training")
+    stdlib = root / "stdlib"
+    stdlib.mkdir()
+    for name in ("alpha", "beta"):
+        (stdlib / f"{name}.py").write_text("".join(f"def {name}_{i}(x):\n    return x + {i}\n" for i in range(150)))
+    for pkg in data.HELD_OUT:
+        (stdlib / pkg).mkdir()
+        (stdlib / pkg / "__init__.py").write_text("".join(f"{pkg}_{i} = {i}\n" for i in range(50)))
+    code, _ = data.split_corpus(stdlib)
+    target_dir = root / "target"
+    data.save_tokenizer(data.train_tokenizer([code], VOCAB), target_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(target_dir)
+    (target_dir / "DONE").write_text("ok\n")
+    cache = root / "features-code"
+    cache.mkdir()
+    g = torch.Generator().manual_seed(1)
+    for index in range(2):
+        ids = torch.randint(0, len(tokenizer), (8, SEQ), generator=g)
+        save_file(dict(ids=ids.to(torch.int32), greedy=torch.roll(ids, -1, 1).to(torch.int32),
+                       features=torch.randn(8, SEQ, len(TAPS) * HIDDEN, generator=g).to(torch.bfloat16),
+                       copy=(torch.rand(8, SEQ, generator=g) < 0.3).to(torch.uint8)),
+                  str(train_real_drafter.shard_path(cache, index)))
+    (cache / "meta.json").write_text(json.dumps(dict(form="code", taps=TAPS, seq_len=SEQ, log=[])))
+    return dict(stdlib=stdlib, target=target_dir, cache=cache, vocab=len(tokenizer))
+
+
+def argv(run, out: Path, total: int, *extra: str) -> list[str]:
+    return ["train", "--cache", str(run["cache"]), "--out", str(out), "--target", str(run["target"]),
+            "--stdlib", str(run["stdlib"]), "--batch", "2", "--blocks", "3", "--block-size", "4", "--layers", "1",
+            "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--negatives", "8", "--eval-prompts", "0",
+            "--mask-token-id", str(run["vocab"] - 1), "--warmup", "5", "--total-steps", str(total),
+            "--save-minutes", "1e-9", "--threads", "1", *extra]
+
+
+def run_in_process(args: list[str]) -> dict:
+    threads = torch.get_num_threads()
+    try:
+        return train_real_drafter.main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def checkpoint(out: Path) -> dict:
+    return torch.load(out / "checkpoint.pt", weights_only=False)
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] and a["schedule"] == b["schedule"] and a["rewarm"] == b["rewarm"]
+    assert a["rng"] == b["rng"] and torch.equal(a["torch_rng"], b["torch_rng"])
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for (i, sa), (j, sb) in zip(a["opt"]["state"].items(), b["opt"]["state"].items()):
+        assert i == j and sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), (i, k)
+
+
+def test_resume_after_a_kill_at_a_random_moment_is_bit_exact(tiny_run, tmp_path):
+    total = 150
+    run_in_process(argv(tiny_run, tmp_path / "whole", total))
+    whole = checkpoint(tmp_path / "whole")
+    assert whole["step"] == total
+    out = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "train_real_drafter.py"), *argv(tiny_run, out, total)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(random.Random().uniform(0.0, 1.0))    # anywhere in the run, a checkpoint write included
+        alive = proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    assert alive, f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    killed_at = checkpoint(out)["step"]
+    assert killed_at < total
+    run_in_process(argv(tiny_run, out, total))                 # the same command resumes
+    assert_same_training_state(checkpoint(out), whole)
+    steps = [json.loads(line)["step"] for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == total  # records past the checkpoint were dropped, once
+    want = [json.loads(line)["step"] for line in (tmp_path / "whole" / "steps.jsonl").read_text().splitlines()]
+    assert steps == want
+
+
+def test_schedule_is_set_once_and_kept_across_resumes(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    run_in_process(argv(tiny_run, out, 20, "--minutes", "1e-9"))           # stopped before a step
+    first = checkpoint(out)
+    assert first["step"] == 0 and first["schedule"]["total"] == 20
+    # a later sitting with other schedule options keeps the run's schedule
+    run_in_process(argv(tiny_run, out, 500, "--lr", "0.5", "--warmup", "99"))
+    ckpt = checkpoint(out)
+    assert ckpt["step"] == 20 and ckpt["schedule"] == first["schedule"]
+    # --new-schedule starts one from the step resumed at; the log keeps every schedule set
+    run_in_process(argv(tiny_run, out, 24, "--new-schedule", "--lr", "1e-3"))
+    ckpt = checkpoint(out)
+    assert ckpt["step"] == 24 and ckpt["schedule"] == dict(lr=1e-3, min_lr=0.1, warmup=5, start=20, total=24)
+    assert ckpt["log"]["schedules"] == [ckpt["schedule"]]
+
+
+def test_lr_schedule_warms_up_decays_and_rewarms():
+    s = train_real_drafter.Schedule(lr=1.0, min_lr=0.1, warmup=10, start=100, total=300)
+
+    def cosine(step):
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 100) / 200))
+
+    assert s.at(100) == pytest.approx(0.1 * cosine(100)) and s.at(104) == pytest.approx(0.5 * cosine(104))
+    assert s.at(109) == pytest.approx(cosine(109)) and s.at(200) == pytest.approx(0.55)
+    assert s.at(300) == pytest.approx(0.1) and s.at(400) == pytest.approx(0.1)
+    assert s.at(200, rewarm=200) == pytest.approx(0.055) and s.at(209, rewarm=200) == pytest.approx(s.at(209))
+
+
+def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path):
+    """Without OUT/checkpoint.pt, ``--state`` resumes the bf16 weights, step, schedule and RNGs, with new
+    optimizer moments that warm up again; the data order continues where it stopped."""
+    state = tmp_path / "state"
+    run_in_process(argv(tiny_run, tmp_path / "a", 8, "--state", str(state)))
+    saved = json.loads((state / "state.json").read_text())
+    assert saved["step"] == 8 and saved["schedule"]["total"] == 8
+    assert (state / "model.safetensors").stat().st_size < (tmp_path / "a" / "checkpoint.pt").stat().st_size
+    exact = checkpoint(tmp_path / "a")
+    # another machine: no checkpoint, the committed state and a new schedule
+    shutil.copytree(state, tmp_path / "state-b")
+    run_in_process(argv(tiny_run, tmp_path / "b", 10, "--state", str(tmp_path / "state-b"), "--new-schedule"))
+    resumed = checkpoint(tmp_path / "b")
+    assert resumed["step"] == 10 and resumed["rewarm"] == 8 and resumed["schedule"]["start"] == 8
+    # what it resumed from is the exact run's end: its weights (rounded to bf16) and both RNGs
+    weights = load_file(str(state / "model.safetensors"))
+    assert weights.keys() == exact["model"].keys()
+    for k, v in exact["model"].items():
+        assert torch.equal(weights[k], v.to(torch.bfloat16)), k
+    version, internal, gauss = saved["python_rng"]
+    assert (version, tuple(internal), gauss) == exact["rng"]
+    torch_rng = torch.frombuffer(bytearray(base64.b64decode(saved["torch_rng"])), dtype=torch.uint8)
+    assert torch.equal(torch_rng, exact["torch_rng"])
+    assert (state / "steps.jsonl").read_text() == (tmp_path / "a" / "steps.jsonl").read_text()
