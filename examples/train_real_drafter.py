@@ -449,7 +449,8 @@ def train(args) -> dict:
         if args.state is not None:
             save_state(args.state, drafter, progress, rng, log, steps_log)
 
-    while progress["step"] < schedule.total and time.perf_counter() - t0 < args.minutes * 60:
+    last = schedule.total if args.sitting_steps is None else min(schedule.total, progress["step"] + args.sitting_steps)
+    while progress["step"] < last and time.perf_counter() - t0 < args.minutes * 60:
         step = progress["step"]
         for group in opt.param_groups:
             group["lr"] = schedule.at(step, progress["rewarm"])
@@ -573,6 +574,8 @@ def parse_args(argv=None):
                     help="a folder for the small resume state (bf16 weights, step, schedule, RNGs, logs; no "
                          "optimizer moments), written at every checkpoint and resumed from when OUT has no "
                          "checkpoint.pt (e.g. examples/real_drafter_state, committed)")
+    tr.add_argument("--sitting-steps", type=positive(int), default=None,
+                    help="stop this sitting after this many steps (besides --minutes)")
     tr.add_argument("--save-minutes", type=positive(float), default=5.0, help="checkpoint every this many minutes")
     tr.add_argument("--batch", type=positive(int), default=4)
     tr.add_argument("--blocks", type=positive(int), default=32, help="blocks (anchors) per sequence")

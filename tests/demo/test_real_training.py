@@ -127,9 +127,9 @@ def test_resume_after_a_kill_at_a_random_moment_is_bit_exact(tiny_run, tmp_path)
 
 def test_schedule_is_set_once_and_kept_across_resumes(tiny_run, tmp_path):
     out = tmp_path / "run"
-    run_in_process(argv(tiny_run, out, 20, "--minutes", "1e-9"))           # stopped before a step
+    run_in_process(argv(tiny_run, out, 20, "--sitting-steps", "3"))        # a sitting of 3 steps
     first = checkpoint(out)
-    assert first["step"] == 0 and first["schedule"]["total"] == 20
+    assert first["step"] == 3 and first["schedule"]["total"] == 20
     # a later sitting with other schedule options keeps the run's schedule
     run_in_process(argv(tiny_run, out, 500, "--lr", "0.5", "--warmup", "99"))
     ckpt = checkpoint(out)
