@@ -70,7 +70,8 @@ REQUIRED = [
      "fold defines it (a no-op): V2 calls it between draft steps"),
     (BACKEND, "AttentionMetadataBuilder", "supports_update_block_table", "member", "default False, kept by fold"),
     (BACKEND, "AttentionMetadataBuilder", "build_for_cudagraph_capture", "method", "default calls build()"),
-    (BACKEND, "AttentionMetadataBuilder", "build_for_drafting", "method", "V1 proposer; default calls build()"),
+    (BACKEND, "AttentionMetadataBuilder", "build_for_drafting", "v1-method",
+     "V1 proposer; default calls build() (0.34 has no V1 runner, and V2 calls build() itself)"),
     ("vllm.v1.worker.utils", "AttentionGroup", "supports_draft_decode_metadata_update", "member",
      "V2 reads the builder's flag per group"),
     ("vllm.v1.worker.gpu.attn_utils", "get_attn_cg_support", None, "name", "V2: min CUDA-graph support"),
@@ -126,6 +127,7 @@ LAYERS = {
     f"{MODELS}.qwen3_dspark": (f"{MODELS}.qwen3_dflash", "DFlashQwen3Attention"),
     f"{MODELS}.lilicorr": (f"{MODELS}.qwen3_dflash", "DFlashQwen3Attention"),
     f"{MODELS}.qwen3_xpress": (f"{MODELS}.qwen3_dflash", "DFlashQwen3Attention"),
+    f"{MODELS}.ricursive_dflash2": (f"{MODELS}.qwen3_dflash", "DFlashQwen3Attention"),
     f"{MODELS}.gemma4_dspark": (f"{MODELS}.gemma4_dspark", "Gemma4DSparkAttention"),
     f"{MODELS}.laguna_dflash": (f"{MODELS}.laguna", "LagunaAttention"),
 }
@@ -151,7 +153,18 @@ CALL_SITES = [
     ("vllm.v1.worker.utils", "get_metadata_builder().update_draft_decode_metadata",
      "FoldMetadataBuilder.update_draft_decode_metadata", "AttentionGroup.update_draft_decode_metadata"),
     (BACKEND, "self.build", "FoldMetadataBuilder.build", "build_for_cudagraph_capture / _drafting defaults"),
+    ("vllm.v1.worker.utils", "get_metadata_builder(ubatch_idx).build_for_cudagraph_capture",
+     "FoldMetadataBuilder.build_for_cudagraph_capture", "V2: AttentionGroup.build_metadata_for_cudagraph_capture"),
+    ("vllm.v1.worker.gpu.attn_utils", "builder.get_cudagraph_support", "FoldMetadataBuilder.get_cudagraph_support",
+     "V2: get_attn_cg_support, whether the draft step is captured in a FULL graph"),
+    ("vllm.v1.worker.gpu.attn_utils", "builder.get_varlen_cudagraph_max_query_len",
+     "FoldMetadataBuilder.get_varlen_cudagraph_max_query_len", "V2: which decode batches a FULL graph replays"),
+    (f"{MODELS}.qwen3_dflash", "impl.do_kv_cache_update", "FoldAttentionImpl.do_kv_cache_update",
+     "the DFlash context precompute's KV write (inside V2's FULL draft graph)"),
 ]
+# Modules only a V1 model runner has: a tree without them (0.34) has no V1 runner, and "v1-" entries of
+# REQUIRED are then informational
+V1_RUNNER = "vllm.v1.spec_decode.dflash"
 
 # fold methods whose signature may differ from the base's because vLLM never calls them: reason
 CONSTRUCTED_BY_FOLD = {
@@ -841,6 +854,11 @@ def check_required(tree: Tree, report: Report) -> None:
     report.section("required attributes (REQUIRED at the top of this script)")
     for module, owner, attr, kind, reason in REQUIRED:
         label = f"{module}.{owner}" + (f".{attr}" if attr else "")
+        if kind.startswith("v1-"):
+            if tree.tree(V1_RUNNER) is None:
+                report.add("info", label, f"no V1 model runner in this tree ({reason})")
+                continue
+            kind = kind[3:]
         cls = find_class(tree, module, owner) if kind != "name" else None
         if cls is None:
             check_name(tree, report, module, owner, reason)

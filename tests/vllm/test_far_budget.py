@@ -137,10 +137,10 @@ def _keep_with_bounds(impl, args, kwargs, output):
 
 def _run_with_bounds(llm, prompts, max_tokens):
     from fold.vllm.backend import FoldAttentionImpl
-    from tests.vllm.engine import Recorder, compat, generate
+    from tests.vllm.engine import DFlashProposer, Recorder, generate
 
     with Recorder(FoldAttentionImpl, "forward", _keep_with_bounds) as rec, \
-            Recorder(compat.DFlashProposer, "propose", lambda obj, a, kw, r: r.clone()) as drafts:
+            Recorder(DFlashProposer, "propose", lambda obj, a, kw, r: r.clone()) as drafts:
         out = generate(llm, prompts, max_tokens)
     return out, [c for c in rec.calls if c is not None], drafts.calls
 

@@ -73,12 +73,12 @@ def test_a_bad_block_stops_the_openai_server_with_the_fields_error(pairs):
 
 
 def test_a_vllm_outside_the_tested_range_is_refused_naming_the_range():
-    script = "import vllm; vllm.__version__ = '0.34.0'\nimport fold.vllm.compat"
+    script = "import vllm; vllm.__version__ = '0.35.0'\nimport fold.vllm.compat"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=_env())
     assert done.returncode != 0
-    assert ("ImportError: fold.vllm was tested with vLLM 0.32.x and 0.33.x and found vLLM 0.34.0"
+    assert ("ImportError: fold.vllm was tested with vLLM 0.32.x, 0.33.x, 0.34.x and found vLLM 0.35.0"
             in _last_line(done.stderr)), done.stderr[-2000:]
-    assert compat.TESTED == ("0.32", "0.33") and compat.VERSION.startswith(compat.TESTED)
+    assert compat.TESTED == ("0.32", "0.33", "0.34") and compat.VERSION.startswith(compat.TESTED)
 
 
 def test_register_serves_every_drafter_class_the_installed_vllm_has():
@@ -92,6 +92,7 @@ def test_register_serves_every_drafter_class_the_installed_vllm_has():
     assert set(available) <= set(compat.DRAFTERS)
     on_0_32 = compat.VERSION.startswith("0.32")
     assert ("Qwen3XPressModel" in available) is not on_0_32       # a 0.33 module
+    assert ("DFlash2RicursiveDraftModel" in available) is compat.VERSION.startswith("0.34")
     supported = set(ModelRegistry.get_supported_archs())
     assert set(available) <= supported
     assert getattr(compat.EngineArgs.create_engine_config, "_fold_checked", False)
