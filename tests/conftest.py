@@ -41,3 +41,15 @@ def nan_poison_fold_allocations():
     torch.empty, torch.empty_like = _poisoned(real_empty), _poisoned(real_empty_like)
     yield
     torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+# `-m quick`: the subset another torch release runs (README, .ci/run): the op against the reference on
+# both paths, the custom ops under torch.compile, bad input, RoPE, the loop and every target family
+QUICK = ("core/test_attention.py", "core/test_torch_path.py", "core/test_engine_ops.py", "core/test_validation.py",
+         "core/test_rope.py", "spec/test_spec_loop.py", "spec/test_spec_families.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.replace("\\", "/").startswith(tuple(f"tests/{path}" for path in QUICK)):
+            item.add_marker(pytest.mark.quick)
