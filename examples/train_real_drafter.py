@@ -415,7 +415,8 @@ def train(args) -> dict:
     schedule = progress["schedule"]
     print(f"schedule: LR {schedule.lr:g} (warm-up {schedule.warmup} steps) from step {schedule.start} to "
           f"{schedule.lr * schedule.min_lr:g} at step {schedule.total}"
-          + ("" if progress["rewarm"] is None else f"; new optimizer moments warm up from step {progress['rewarm']}"),
+          + ("" if progress["rewarm"] is None or progress["rewarm"] <= schedule.start
+             else f"; new optimizer moments warm up again from step {progress['rewarm']}"),
           flush=True)
     t_load = time.perf_counter()
     pool = CachedFeatures(args.cache, [meta["taps"].index(t) for t in taps], target.config.hidden_size)

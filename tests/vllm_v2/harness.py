@@ -161,10 +161,11 @@ def with_block(pair: dict, name: str, **block) -> Path:
 
 # --- the speculator, set up as GPUModelRunner does ----------------------------------------------------------
 
-def engine_config(target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4):
+def engine_config(target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4,
+                  dtype="float32"):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=str(target), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+    args = EngineArgs(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                       skip_tokenizer_init=True, seed=0, block_size=BLOCK, num_gpu_blocks_override=num_blocks,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                       compilation_config={"custom_ops": ["none"]},
@@ -175,7 +176,8 @@ def engine_config(target: Path, drafter: Path, *, k=K, max_model_len=256, num_bl
 class Speculator:
     """One ``DFlashSpeculator`` with its own config, target, KV cache and block tables (CPU)."""
 
-    def __init__(self, target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4):
+    def __init__(self, target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4,
+                 dtype="float32"):
         from vllm.config import set_current_vllm_config
         from vllm.config.compilation import CUDAGraphMode
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -189,7 +191,7 @@ class Speculator:
 
         self.k, self.device = k, torch.device("cpu")
         self.config = config = engine_config(target, drafter, k=k, max_model_len=max_model_len,
-                                             num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+                                             num_blocks=num_blocks, max_num_seqs=max_num_seqs, dtype=dtype)
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_model_len = config.model_config.max_model_len
@@ -271,12 +273,13 @@ class Speculator:
 # --- the target's side, and rounds of drafting -------------------------------------------------------------
 
 class Target:
-    """The transformers target: hidden states at the drafter's taps, greedy tokens."""
+    """The transformers target: hidden states at the drafter's taps, greedy tokens (``dtype``: the one the
+    speculator serves in, as a target served in it hands its hidden states over)."""
 
-    def __init__(self, path: Path, taps):
+    def __init__(self, path: Path, taps, dtype=torch.float32):
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
         self.taps = list(taps)
 
     @torch.no_grad()
@@ -409,6 +412,14 @@ def keep_attention(impl, args, kwargs, output):
                 out=output[:tokens].clone())
 
 
+def recorded_rounds(speculator: Speculator, target: Target, schedule, keep=keep_attention) -> dict:
+    """:func:`run_rounds` with every ``FoldAttentionImpl.forward`` call kept (``keep``: as
+    :func:`keep_attention`): ``dict(speculator, steps, calls)``."""
+    with Recorder(FoldAttentionImpl, "forward", keep) as calls:
+        steps = run_rounds(speculator, target, schedule)
+    return dict(speculator=speculator, steps=steps, calls=calls.calls)
+
+
 def truth(call, upcast):
     """``fold_attention_ref`` of one recorded call (its layer's read, window and causality, the same cache)."""
     read, n_q = call["read"], call["n_q"]
@@ -423,28 +434,51 @@ def truth(call, upcast):
     return out.flatten(0, 1)
 
 
-# --- an independent plain-PyTorch DFlash forward (float64) ----------------------------------------------
+# --- an independent plain-PyTorch DFlash forward (float64; float32: the tolerance rule's twin) ---------
+
+def dflash_layer_modes(cfg: dict) -> list[tuple[int | None, bool]]:
+    """Per drafter layer ``(sliding_window, causal)`` from a z-lab DFlash config.json (the dict), by the rule
+    the DFlash drafters state: ``dflash_config.use_swa`` makes every layer sliding unless ``layer_types``
+    names some sliding ones, else ``layer_types[i] == "sliding_attention"``; the window is
+    ``dflash_config.swa_window_size`` (else ``sliding_window``); a layer is causal if ``is_causal`` or
+    ``dflash_config.causal`` says so, else if ``layer_types`` marks it sliding."""
+    dflash = cfg.get("dflash_config") or {}
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    marked = [t == "sliding_attention" for t in types] if types else [False] * n
+    sliding = [True] * n if dflash.get("use_swa") and not any(marked) else marked
+    window = dflash.get("swa_window_size", cfg.get("sliding_window"))
+    stated = cfg.get("is_causal", dflash.get("causal"))
+    modes = []
+    for i in range(n):
+        assert not sliding[i] or window is not None, "a sliding layer needs a window"
+        modes.append((window if sliding[i] else None, marked[i] if stated is None else bool(stated)))
+    return modes
+
 
 class PlainDFlash:
     """The z-lab DFlash drafter of a directory in float64 plain PyTorch, with the target's embedding and LM
     head: context K/V from ``hidden_norm(fc(concat(aux)))`` at the context positions, the block
     ``[bonus, mask x K]`` at the next positions through Qwen3 layers (q/k RMSNorm, neox RoPE, ordinary
     attention over context and block, non-causal), the final norm, the LM head. No vLLM and no fold
-    (``read``: a fold block's read, by ``reference.fold_attention_ref`` in place of ordinary attention)."""
+    (``read``: a fold block's read, by ``reference.fold_attention_ref`` in place of ordinary attention,
+    with each layer's sliding window and causality as :func:`dflash_layer_modes` reads config.json)."""
 
-    def __init__(self, drafter_dir: Path, target: Target):
+    def __init__(self, drafter_dir: Path, target: Target, dtype: torch.dtype = torch.float64):
         import json
 
         from safetensors.torch import load_file
 
+        self.dtype = dtype            # float64: the truth; float32: what PyTorch itself gets (the tolerance rule)
         self.cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
-        self.w = {k: v.double() for k, v in load_file(str(Path(drafter_dir) / "model.safetensors")).items()}
-        self.embed = target.model.model.embed_tokens.weight.detach().double()
-        self.head = target.model.lm_head.weight.detach().double()
+        self.w = {k: v.to(dtype) for k, v in load_file(str(Path(drafter_dir) / "model.safetensors")).items()}
+        self.embed = target.model.model.embed_tokens.weight.detach().to(dtype)
+        self.head = target.model.lm_head.weight.detach().to(dtype)
         self.target = target
         c = self.cfg
         self.hq, self.hkv, self.d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         self.eps, self.mask = c["rms_norm_eps"], c["dflash_config"]["mask_token_id"]
+        self.modes = dflash_layer_modes(c)                     # per layer (sliding_window, causal)
         theta = c["rope_parameters"]["rope_theta"]
         self.inv_freq = 1.0 / theta ** (torch.arange(0, self.d, 2, dtype=torch.float64) / self.d)
 
@@ -453,13 +487,16 @@ class PlainDFlash:
 
     def rope(self, x, positions):                          # x [T, H, d], neox (rotate-half) style
         angle = positions.double()[:, None] * self.inv_freq[None, :]
-        cos, sin = (torch.cat((f(angle), f(angle)), -1)[:, None] for f in (torch.cos, torch.sin))
+        cos, sin = (torch.cat((f(angle), f(angle)), -1)[:, None].to(self.dtype) for f in (torch.cos, torch.sin))
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    def attend(self, q, keys, values, read):
-        """``q [n_q, Hq, d]`` rotated at its positions over ``keys/values [L, Hkv, d]`` (keys rotated)."""
+    def attend(self, q, keys, values, read, sliding=None, causal=False):
+        """``q [n_q, Hq, d]`` rotated at its positions over ``keys/values [L, Hkv, d]`` (keys rotated);
+        ``sliding``, ``causal``: the layer's (the reference read's per-layer rule)."""
         if read is None:
+            if sliding is not None or causal:
+                raise NotImplementedError("the plain forward reads sliding / causal layers by a fold read only")
             group = self.hq // self.hkv
             scores = torch.einsum("rhd,jhd->hrj", q, keys.repeat_interleave(group, 1)) * self.d ** -0.5
             return torch.einsum("hrj,jhd->rhd", scores.softmax(-1), values.repeat_interleave(group, 1))
@@ -467,15 +504,16 @@ class PlainDFlash:
         out, _ = fold_attention_ref(q[None], keys[None], values[None], window=read.window, rope=rope,
                                     alpha=read.alpha if read.read == "fold" else 1.0, keys_rotated=True,
                                     queries_rotated=True, softmax_scale=self.d ** -0.5,
-                                    far_position=FAR_POSITION[read.read], causal=False)
-        return out[0]
+                                    far_position=FAR_POSITION[read.read], sliding_window=sliding, causal=causal,
+                                    upcast=self.dtype == torch.float64)   # float32: the reference in float32
+        return out[0].to(self.dtype)
 
     @torch.no_grad()
     def logits(self, context_tokens, bonus, k, read=None):
-        """``[k, vocab]`` float64: the logits of the block's mask rows after ``context_tokens``."""
+        """``[k, vocab]`` in ``dtype``: the logits of the block's mask rows after ``context_tokens``."""
         w, n = self.w, len(context_tokens)
         aux, _ = self.target(list(context_tokens))
-        ctx = self.norm(torch.cat(aux, dim=-1).double() @ w["fc.weight"].T, w["hidden_norm.weight"])     # [n, H]
+        ctx = self.norm(torch.cat(aux, dim=-1).to(self.dtype) @ w["fc.weight"].T, w["hidden_norm.weight"])  # [n, H]
         ctx_pos, q_pos = torch.arange(n), torch.arange(n, n + k + 1)
         residual = self.embed[torch.tensor([bonus] + [self.mask] * k)]
         for i in range(self.cfg["num_hidden_layers"]):
@@ -490,7 +528,9 @@ class PlainDFlash:
             kc = self.norm(proj(ctx, "k", self.hkv), w[p + "self_attn.k_norm.weight"])    # the context's
             vb, vc = proj(x, "v", self.hkv), proj(ctx, "v", self.hkv)
             keys = torch.cat((self.rope(kc, ctx_pos), self.rope(kb, q_pos)))
-            attn = self.attend(self.rope(q, q_pos), keys, torch.cat((vc, vb)), read).reshape(k + 1, -1)
+            sliding, causal = self.modes[i]
+            attn = self.attend(self.rope(q, q_pos), keys, torch.cat((vc, vb)), read, sliding,
+                               causal).reshape(k + 1, -1)
             residual = residual + attn @ w[p + "self_attn.o_proj.weight"].T
             x = self.norm(residual, w[p + "post_attention_layernorm.weight"])
             gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
