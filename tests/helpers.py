@@ -184,3 +184,43 @@ def cases(draw, dtypes, max_len_cap=2500):
 
 configs = st.builds(FoldConfig, block_m=st.sampled_from([16, 32, 64, 128]), block_n=st.sampled_from([16, 32, 64, 128]),
                     num_splits=st.sampled_from([1, 2, 3, 4, 8, 16, 128]), num_warps=st.just(4), num_stages=st.just(2))
+
+
+class Recorder:
+    """Wraps ``cls.name`` for the duration of a ``with`` block, keeping ``keep(obj, args, kwargs, result)``
+    of every call in :attr:`calls` (an inherited method is wrapped on ``cls`` and removed again after)."""
+
+    def __init__(self, cls, name, keep):
+        self.cls, self.name, self.keep, self.calls = cls, name, keep, []
+
+    def __enter__(self):
+        self.own = self.cls.__dict__.get(self.name)
+        original, keep, calls = getattr(self.cls, self.name), self.keep, self.calls
+
+        def wrapped(obj, *args, **kwargs):
+            result = original(obj, *args, **kwargs)
+            calls.append(keep(obj, args, kwargs, result))
+            return result
+
+        setattr(self.cls, self.name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        if self.own is None:
+            delattr(self.cls, self.name)
+        else:
+            setattr(self.cls, self.name, self.own)
+
+
+def dense_cache(k_pages, v_pages, block_table, seq_lens, scales=(1.0, 1.0)) -> torch.Tensor:
+    """Key and value pages ``[num_blocks, page, heads_kv, d]`` read back per sequence through
+    ``block_table`` -> ``[2, batch, max(seq_lens), heads_kv, d]`` float32, times ``scales`` (FP8), NaN
+    past each sequence's length."""
+    page = k_pages.shape[1]
+    dense = torch.full((2, len(seq_lens), max(seq_lens), *k_pages.shape[2:]), float("nan"))
+    for b, length in enumerate(seq_lens):
+        j = torch.arange(length)
+        pages = block_table[b, j // page].long()
+        dense[0, b, :length] = k_pages[pages, j % page].float() * scales[0]
+        dense[1, b, :length] = v_pages[pages, j % page].float() * scales[1]
+    return dense

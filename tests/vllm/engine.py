@@ -10,6 +10,7 @@ import fold.vllm
 from fold.vllm import compat
 from fold.vllm.backend import FAR_POSITION, FoldAttentionImpl, cache_pages
 from reference import fold_attention_ref
+from tests.helpers import Recorder, dense_cache  # noqa: F401 (Recorder: the tests import it from here)
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -63,28 +64,6 @@ def spec_metrics(llm):
             for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
 
 
-class Recorder:
-    """Wraps a class method for the duration of a ``with`` block, keeping what each call saw."""
-
-    def __init__(self, cls, name, keep):
-        self.cls, self.name, self.keep, self.calls = cls, name, keep, []
-
-    def __enter__(self):
-        self.original = getattr(self.cls, self.name)
-        original, keep, calls = self.original, self.keep, self.calls
-
-        def wrapped(obj, *args, **kwargs):
-            result = original(obj, *args, **kwargs)
-            calls.append(keep(obj, args, kwargs, result))
-            return result
-
-        setattr(self.cls, self.name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(self.cls, self.name, self.original)
-
-
 FORWARD = inspect.signature(FoldAttentionImpl.forward)
 STOCK_FORWARD = inspect.signature(compat.CPUAttentionBackendImpl.forward)
 
@@ -98,15 +77,9 @@ def keep_attention(impl, args, kwargs, output):
         return None
     tokens = meta.num_actual_tokens
     k_pages, v_pages = cache_pages(kv_cache, impl.head_size, impl.cache_dtype)
-    k_scale, v_scale = impl.scales(layer)
     seq_lens = meta.seq_lens.tolist()
     page = k_pages.shape[1]
-    dense = torch.full((2, meta.num_reqs, max(seq_lens), k_pages.shape[2], impl.head_size), float("nan"))
-    for b, length in enumerate(seq_lens):
-        j = torch.arange(length)
-        pages = meta.block_table[b, j // page].long()
-        dense[0, b, :length] = k_pages[pages, j % page].float() * k_scale
-        dense[1, b, :length] = v_pages[pages, j % page].float() * v_scale
+    dense = dense_cache(k_pages, v_pages, meta.block_table, seq_lens, impl.scales(layer))
     tables = [meta.block_table[b, :-(-length // page)].tolist() for b, length in enumerate(seq_lens)]
     used = {p for table in tables for p in table}
     return dict(layer=layer.layer_name, read=impl.read, rope=impl.rope, sinks=impl.sinks, scale=impl.scale,

@@ -30,6 +30,8 @@ import fold
 import fold.vllm
 from fold.vllm.backend import FAR_POSITION, FoldAttentionImpl, cache_pages
 from reference import fold_attention_ref
+from reference.tolerance import check_close
+from tests.helpers import Recorder, dense_cache  # noqa: F401 (Recorder: the tests import it from here)
 from tests.vllm.pair import make_drafter, make_target
 
 K = 3                       # num_speculative_tokens: blocks of 1 + K query rows
@@ -367,28 +369,6 @@ def run_rounds(speculator: Speculator, target: Target, schedule):
 FORWARD = inspect.signature(FoldAttentionImpl.forward)
 
 
-class Recorder:
-    """Wraps ``cls.name`` for the duration of a ``with`` block, keeping ``keep(obj, args, kwargs, result)``."""
-
-    def __init__(self, cls, name, keep):
-        self.cls, self.name, self.keep, self.calls = cls, name, keep, []
-
-    def __enter__(self):
-        self.original = self.cls.__dict__[self.name]
-        original, keep, calls = self.original, self.keep, self.calls
-
-        def wrapped(obj, *args, **kwargs):
-            result = original(obj, *args, **kwargs)
-            calls.append(keep(obj, args, kwargs, result))
-            return result
-
-        setattr(self.cls, self.name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(self.cls, self.name, self.original)
-
-
 def keep_attention(impl, args, kwargs, output):
     """One ``FoldAttentionImpl.forward`` call: the query, the cache read back densely per sequence (NaN past
     its length), the output, and what the layer reads by."""
@@ -399,13 +379,7 @@ def keep_attention(impl, args, kwargs, output):
     tokens = meta.num_actual_tokens
     k_pages, v_pages = cache_pages(kv_cache, impl.head_size, impl.cache_dtype)
     seq_lens = meta.seq_lens.tolist()
-    page = k_pages.shape[1]
-    dense = torch.full((2, meta.num_reqs, max(seq_lens), k_pages.shape[2], impl.head_size), float("nan"))
-    for b, length in enumerate(seq_lens):
-        j = torch.arange(length)
-        pages = meta.block_table[b, j // page].long()
-        dense[0, b, :length] = k_pages[pages, j % page].float()
-        dense[1, b, :length] = v_pages[pages, j % page].float()
+    dense = dense_cache(k_pages, v_pages, meta.block_table, seq_lens, impl.scales(layer))
     return dict(layer=layer.layer_name, dummy=False, num_reqs=meta.num_reqs, read=impl.read, rope=impl.rope, sinks=impl.sinks, scale=impl.scale,
                 sliding=impl.sliding_window, causal=impl.causal, uniform=meta.uniform, n_q=meta.max_query_len,
                 q=query[:tokens].clone(), k=dense[0].to(query.dtype), v=dense[1].to(query.dtype), seq_lens=seq_lens,
@@ -536,3 +510,14 @@ class PlainDFlash:
             gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
             residual = residual + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         return self.norm(residual, w["norm.weight"])[1:] @ self.head.T
+
+
+def check_against_plain(steps, plain: PlainDFlash, plain32: PlainDFlash, read=None) -> None:
+    """Every recorded step's and row's logits against ``plain`` (float64, the truth) by the tolerance rule
+    (``plain32``: the same forward in float32), and its drafts that forward's argmax."""
+    for i, step in enumerate(steps):
+        for r, (context, bonus) in enumerate(zip(step["context"], step["bonus"], strict=True)):
+            want = plain.logits(context, bonus, K, read=read)
+            got = step["logits"][r * K:(r + 1) * K]
+            check_close(f"step {i} row {r}", got, want, plain32.logits(context, bonus, K, read=read), torch.float32)
+            assert step["drafts"][r].tolist() == want.argmax(-1).tolist(), f"step {i} row {r}"

@@ -112,13 +112,14 @@ def test_the_kept_bounds_are_the_committed_pages_bounds(budget_run):
         bounds = call["bounds"]
         assert bounds is not None and bounds.dtype == torch.float32, f"call {i}"
         committed = [n - N_Q for n in call["seq_lens"]]
-        exact = far_pages.page_bounds(torch.nan_to_num(call["k"]).float(), BLOCK, cache_seqlens=committed,
-                                      keys_rotated=True, rope=call["rope"])
+        keys = torch.nan_to_num(call["k"])
+        exact, same_dtype = (far_pages.page_bounds(keys.to(dtype), BLOCK, cache_seqlens=committed, keys_rotated=True,
+                                                   rope=call["rope"]) for dtype in (torch.float64, torch.float32))
         for b, (n, table) in enumerate(zip(committed, call["tables"], strict=True)):
             pages = -(-n // BLOCK)
             kept = bounds[torch.tensor(table[:pages])]
             assert torch.isfinite(kept).all(), f"call {i} request {b}"
-            torch.testing.assert_close(kept, exact[b, :pages], rtol=0, atol=1e-5, msg=f"call {i} request {b}")
+            check_close(f"call {i} request {b}", kept, exact[b, :pages], same_dtype[b, :pages], torch.float32)
         empty = bounds[torch.tensor([0] + budget_run["speculator"].free_blocks)]   # still free after the run
         assert (empty[:, :, 0] == float("-inf")).all() and (empty[:, :, 1] == float("inf")).all(), f"call {i}"
 

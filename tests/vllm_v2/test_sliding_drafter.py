@@ -25,7 +25,7 @@ from fold.vllm.config import parse_block
 from reference import fold_attention_ref
 from reference.tolerance import check_close
 from tests.vllm.pair import MASK_ID, TAPS, make_drafter
-from tests.vllm_v2.harness import K, PlainDFlash, Speculator, Target, recorded_rounds, truth
+from tests.vllm_v2.harness import K, PlainDFlash, check_against_plain, Speculator, Target, recorded_rounds, truth
 
 SLIDING = 16            # the layers' native window: shorter than the contexts below
 SMALL_W = 8             # the fold block's window (sets the far position, window + n_q + r)
@@ -143,9 +143,4 @@ def test_drafts_equal_a_plain_pytorch_dflash_with_the_per_layer_read(sliding_run
     plain, plain32 = PlainDFlash(drafter, target), PlainDFlash(drafter, target, torch.float32)
     assert plain.modes == sliding_run["modes"]                   # the plain forward's own reading of config.json
     read = parse_block(json.loads((drafter / "config.json").read_text())["fold"])
-    for i, step in enumerate(sliding_run["steps"]):
-        for r, (context, bonus) in enumerate(zip(step["context"], step["bonus"], strict=True)):
-            want = plain.logits(context, bonus, K, read=read)
-            got = step["logits"][r * K:(r + 1) * K]
-            check_close(f"step {i} row {r}", got, want, plain32.logits(context, bonus, K, read=read), torch.float32)
-            assert step["drafts"][r].tolist() == want.argmax(-1).tolist(), f"step {i} row {r}"
+    check_against_plain(sliding_run["steps"], plain, plain32, read)

@@ -19,8 +19,8 @@ from fold.vllm.backend import FoldAttentionBackend, FoldAttentionImpl, FoldMetad
 from fold.vllm.config import parse_block
 from reference.tolerance import check_close
 from tests.vllm.pair import TAPS, VOCAB
-from tests.vllm_v2.harness import (K, PlainDFlash, Recorder, Speculator, Target, keep_attention, run_rounds, truth,
-                                   with_block)
+from tests.vllm_v2.harness import (K, PlainDFlash, Recorder, Speculator, Target, check_against_plain, keep_attention,
+                                   run_rounds, truth, with_block)
 
 WIDE_W = 64         # longer than every context below: the window read is then full attention
 SMALL_W = 8         # shorter than every context: most entries are far memory
@@ -139,12 +139,7 @@ def test_drafts_equal_a_plain_pytorch_dflash(name, request, plain, plain32):
     """The harness itself: vLLM's logits (stock read, and fold's window read) are an independent float64
     DFlash forward's by the tolerance rule, and its drafts that forward's argmax, from the committed
     tokens alone."""
-    for i, step in enumerate(request.getfixturevalue(name)["steps"]):
-        for r, (context, bonus) in enumerate(zip(step["context"], step["bonus"], strict=True)):
-            want = plain.logits(context, bonus, K)
-            got = step["logits"][r * K:(r + 1) * K]
-            check_close(f"step {i} row {r}", got, want, plain32.logits(context, bonus, K), torch.float32)
-            assert step["drafts"][r].tolist() == want.argmax(-1).tolist(), f"step {i} row {r}"
+    check_against_plain(request.getfixturevalue(name)["steps"], plain, plain32)
 
 
 # (c) reading "fold" past the window: every call is the reference's, and the drafts a plain forward's
@@ -164,12 +159,7 @@ def test_fold_read_calls_equal_the_reference(fold_run):
 
 def test_fold_read_drafts_equal_a_plain_pytorch_dflash_with_the_reference_read(fold_run, plain, plain32, pair):
     read = parse_block(json.loads((pair["fold"] / "config.json").read_text())["fold"])
-    for i, step in enumerate(fold_run["steps"]):
-        for r, (context, bonus) in enumerate(zip(step["context"], step["bonus"], strict=True)):
-            want = plain.logits(context, bonus, K, read=read)
-            got = step["logits"][r * K:(r + 1) * K]
-            check_close(f"step {i} row {r}", got, want, plain32.logits(context, bonus, K, read=read), torch.float32)
-            assert step["drafts"][r].tolist() == want.argmax(-1).tolist(), f"step {i} row {r}"
+    check_against_plain(fold_run["steps"], plain, plain32, read)
 
 
 # (d) prefills and verifies with 0 and >0 rejections
