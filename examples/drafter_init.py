@@ -30,6 +30,7 @@ Training then starts from a drafter that copies, and learns the rest (text that 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -47,14 +48,13 @@ def _unit_rms(w):
 AMPLITUDES = (3.0, 2.0, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0)
 
 
-@torch.no_grad()
-def copy_circuit_init(drafter, target_config, samples, *, scale0: float = 14.0, scale1: float = 4.0, sink_level: float = 0.88,
-                      copy_gain: float = 3.0, seed: int = 0) -> dict:
-    """Build the copy circuit into ``drafter`` (2 layers, qwen3 style) for a target with a context channel.
-
-    ``samples = (features [N, H], tokens [N])``: context features ``c_j`` (``drafter``'s fc and norm
-    applied after this init sets them, i.e. the normed first tap) and their tokens, to fit the output."""
+def _geometry(drafter, target_config, seed: int) -> SimpleNamespace:
+    """What both layers of the copy circuit are built from: the target's channel layout (``code``: the
+    dims holding the token ``lag`` rows back, ``resid``: the main dims a layer-0 head writes), the
+    fast and slow RoPE pairs, and the MASK row's direction in layer 0's input (``on_mask``, ``not_mask``)."""
     cfg, tc = drafter.cfg, target_config
+    if cfg.logit_softcap is not None:
+        raise ValueError("the copy circuit fits a linear LM head; this drafter soft-caps its logits")
     hidden, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.heads_q, cfg.heads_kv
     lags, width, base = tc.channel_lags, tc.channel_width, tc.write_dims
     if not lags:
@@ -85,7 +85,16 @@ def copy_circuit_init(drafter, target_config, samples, *, scale0: float = 14.0, 
     on_mask = x_mask / x_mask.dot(x_mask)                                    # <on_mask, x_mask> = 1
     not_mask = torch.eye(hidden, dtype=torch.float64) - torch.outer(x_mask, on_mask)
 
-    # -- layer 0: heads that read the row at a fixed distance ---------------------------------------
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("drafter", "target_config", "seed")})
+
+
+def _layer0(g: SimpleNamespace, scale0: float, sink_level: float) -> None:
+    """Layer 0: head ``h`` reads the row ``h + 1`` back (its fast pairs phase-aligned to that distance, a
+    sink in the slow pairs), writing that row's token code into the main dims; the MLP removes the MASK
+    embedding from a MASK row."""
+    hidden, d, hq, hkv, lags, width = g.hidden, g.d, g.hq, g.hkv, g.lags, g.width
+    code, resid, fast, inv_freq, slow, l0 = g.code, g.resid, g.fast, g.inv_freq, g.slow, g.l0
+    e_mask, x_mask, on_mask, not_mask, const = g.e_mask, g.x_mask, g.on_mask, g.not_mask, g.const
     a = l0.self_attn
     kf = torch.zeros(d, dtype=torch.float64)
     kf[:fast] = 1.0
@@ -129,7 +138,14 @@ def copy_circuit_init(drafter, target_config, samples, *, scale0: float = 14.0, 
     mlp.up_proj.weight[0] = on_mask
     mlp.down_proj.weight[:, 0] = -e_mask / (beta * torch.sigmoid(torch.tensor(beta, dtype=torch.float64)))
 
-    # -- layer 1: content match in the slow frequencies -----------------------------------------------
+
+def _layer1(drafter, g: SimpleNamespace, samples, scale1: float, copy_gain: float) -> dict:
+    """Layer 1: every head matches a query's main dims against the entries' token codes in the slow
+    pairs (a random orthogonal mix per distance) and returns the matched feature, mapped to its
+    token's logits by a least-squares fit through the LM head. Returns the fit's decode accuracy."""
+    hidden, d, hq, hkv, lags, width = g.hidden, g.d, g.hq, g.hkv, g.lags, g.width
+    code, resid, fast, slow, slow_dims, gen, l1 = g.code, g.resid, g.fast, g.slow, g.slow_dims, g.gen, g.l1
+    on_mask, not_mask = g.on_mask, g.not_mask
     b = l1.self_attn
     mixers = {dist: torch.linalg.qr(torch.randn(len(slow_dims), width, generator=gen, dtype=torch.float64))[0]
               for dist in range(1, lags + 1)}
@@ -154,7 +170,7 @@ def copy_circuit_init(drafter, target_config, samples, *, scale0: float = 14.0, 
     full[torch.arange(n_val), torch.arange(n_val)] = 1.0
     full = full @ not_mask                                                   # [hkv * d, H]
     b.v_proj.weight.copy_(full)
-    lm = drafter._target[1].weight.detach().double()                         # [V, H]
+    lm = drafter.head(torch.eye(hidden, dtype=drafter.fc.weight.dtype)).double().T   # [V, H]: logits of unit rows
     taps, tokens = samples
     feats = drafter.hidden_norm(drafter.fc(taps.to(drafter.fc.weight.dtype))).double()      # [N, H]: c_j
     vals = feats @ full.T                                                    # [N, hkv * d]: what the heads return
@@ -175,3 +191,15 @@ def copy_circuit_init(drafter, target_config, samples, *, scale0: float = 14.0, 
     l1.mlp.down_proj.weight.zero_()
     decode = (vals @ out.T @ lm.T).argmax(1) == tokens
     return dict(copy_decode_accuracy=round(float(decode.double().mean()), 4), slow_pairs=len(slow), fast_pairs=fast)
+
+
+@torch.no_grad()
+def copy_circuit_init(drafter, target_config, samples, *, scale0: float = 14.0, scale1: float = 4.0, sink_level: float = 0.88,
+                      copy_gain: float = 3.0, seed: int = 0) -> dict:
+    """Build the copy circuit into ``drafter`` (2 layers, qwen3 style) for a target with a context channel.
+
+    ``samples = (features [N, H], tokens [N])``: context features ``c_j`` (``drafter``'s fc and norm
+    applied after this init sets them, i.e. the normed first tap) and their tokens, to fit the output."""
+    g = _geometry(drafter, target_config, seed)
+    _layer0(g, scale0, sink_level)
+    return _layer1(drafter, g, samples, scale1, copy_gain)

@@ -12,23 +12,21 @@ pages are scattered across the pool), appends a draft block per request, and rea
 then checks the result against the dense float64 reference on each request's own contiguous cache.
 Nothing beyond the cache is stored: no unrotated side cache, no copy of the pages.
 
-    python examples/engine_cache.py
-    python examples/engine_cache.py --page-size 16 --lengths 3000 700 5000 --window 512
+    python -m examples.engine_cache
+    python -m examples.engine_cache --page-size 16 --lengths 3000 700 5000 --window 512
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's reference/ package
 
-import fold  # noqa: E402
-from reference import fold_attention_ref  # noqa: E402
-from reference.tolerance import check_close  # noqa: E402
+from fold.argtypes import at_least
+import fold
+from reference import fold_attention_ref
+from reference.tolerance import check_close
 
 
 class PagedKVCache:
@@ -81,21 +79,14 @@ class PagedKVCache:
         return torch.tensor(self.lengths, dtype=torch.int32, device=self.k.device)
 
 
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=_positive, nargs="+", default=[1500, 400, 2600],
+    ap.add_argument("--lengths", type=at_least(1), nargs="+", default=[1500, 400, 2600],
                     help="committed context entries per request")
-    ap.add_argument("--page-size", type=_positive, default=16)
-    ap.add_argument("--n-q", type=_positive, default=10, help="draft block rows")
-    ap.add_argument("--heads", type=_positive, nargs=2, default=[8, 2], metavar=("HQ", "HKV"))
-    ap.add_argument("--head-dim", type=_positive, default=64)
+    ap.add_argument("--page-size", type=at_least(1), default=16)
+    ap.add_argument("--n-q", type=at_least(1), default=10, help="draft block rows")
+    ap.add_argument("--heads", type=at_least(1), nargs=2, default=[8, 2], metavar=("HQ", "HKV"))
+    ap.add_argument("--head-dim", type=at_least(1), default=64)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--alpha", type=float, default=2.0)
     ap.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")

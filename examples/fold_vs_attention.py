@@ -13,43 +13,34 @@ head_dim 128, W = 2048, alpha = 2). For each context length it times, side by si
 
 It also shows how far FOLD's output moves from the plain read.
 
-    python examples/fold_vs_attention.py                       # 4K, 32K, 128K on this machine
-    python examples/fold_vs_attention.py --keys-rotated        # the layout engines store
-    python examples/fold_vs_attention.py --lengths 2048 8192 --dtype bfloat16
+    python -m examples.fold_vs_attention                       # 4K, 32K, 128K on this machine
+    python -m examples.fold_vs_attention --keys-rotated        # the layout engines store
+    python -m examples.fold_vs_attention --lengths 2048 8192 --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's tuning/ package
 
-import fold  # noqa: E402
-from fold.attention import MAX_ALPHA  # noqa: E402
-from tuning.workloads import (DRAFTERS, fold_call, make_inputs, sdpa_full_call, sdpa_packed_call,  # noqa: E402
+from fold.argtypes import at_least
+import fold
+from fold.fold_attention import MAX_ALPHA
+from tuning.workloads import (DRAFTERS, fold_call, make_inputs, sdpa_full_call, sdpa_packed_call,
                               timed_rows)
-
-
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=_positive_int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--lengths", type=at_least(1), nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--drafter", choices=sorted(DRAFTERS), default="llama3.1-8b")
     parser.add_argument("--alpha", type=float, default=2.0, help=f"in [1, {MAX_ALPHA:g}]")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--keys-rotated", action="store_true", help="the cache holds rotated keys")
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
-    parser.add_argument("--repeats", type=_positive_int, default=7)
+    parser.add_argument("--repeats", type=at_least(1), default=7)
     args = parser.parse_args(argv)
     if not 1.0 <= args.alpha <= MAX_ALPHA:
         parser.error(f"--alpha must lie in [1, {MAX_ALPHA:g}], got {args.alpha}")

@@ -1,11 +1,11 @@
 """Speculative decoding of a local target + drafter pair with one context policy.
 
-    python examples/generate.py --target ~/models/Llama-3.1-8B-Instruct \\
+    python -m examples.generate --target ~/models/Llama-3.1-8B-Instruct \\
         --drafter ~/models/LLaMA3.1-8B-Instruct-DFlash --policy fold --prompt-file long_prompt.txt
 
     # the shipped demo pair (its BPE tokenizer lives in the target directory)
-    python examples/generate.py --target fold/demo/artifacts/target --drafter fold/demo/artifacts/drafter \\
-        --prompt-file fold/spec/generate.py --dtype float32 --compare-ar
+    python -m examples.generate --target fold/demo/artifacts/target --drafter fold/demo/artifacts/drafter \\
+        --prompt-file fold/spec_decode/generate.py --dtype float32 --compare-ar
 
 Both directories are read offline (``config.json`` + safetensors; the target's tokenizer from its
 directory, or bytes with ``--tokenizer bytes``, the default for a target directory without
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 # options each policy takes from the command line (the rest keep their defaults); its keys are
-# fold.spec.POLICIES (a test checks), written out so that a usage error needs no torch import
+# fold.spec_decode.POLICIES (a test checks), written out so that a usage error needs no torch import
 POLICY_OPTIONS = {"fold": ("window", "alpha"), "window": ("window",), "rerope": ("window",), "infllm": ("window",),
                   "streaming": (), "dflash": (), "yarn": (), "cmr": ()}
 
@@ -74,7 +74,7 @@ def _non_negative_float(text):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="a transformers causal-LM directory")
-    parser.add_argument("--drafter", type=Path, required=True, help="a drafter directory (spec.load_drafter)")
+    parser.add_argument("--drafter", type=Path, required=True, help="a drafter directory (spec_decode.load_drafter)")
     parser.add_argument("--policy", choices=sorted(POLICY_OPTIONS), default="fold")
     parser.add_argument("--prompt-file", type=Path, required=True)
     parser.add_argument("--max-new-tokens", type=_at_least(int, 1), default=256)
@@ -110,8 +110,8 @@ def main(argv=None):
     import transformers
 
     import fold.demo  # noqa: F401  (registers the demo's fold_toy target with transformers)
-    from fold import spec
-    from fold.spec.loading import check_target_dir
+    from fold import spec_decode
+    from fold.spec_decode.loading import check_target_dir
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:                                        # a bad pair, file or option: one line naming it, no traceback
@@ -119,8 +119,8 @@ def main(argv=None):
         tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else HFTokenizer(args.target)
         target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
         target = target.to(device).eval()
-        drafter = spec.load_drafter(args.drafter, target)
-        spec.make_read(args.policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
+        drafter = spec_decode.load_drafter(args.drafter, target)
+        spec_decode.make_read(args.policy, drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1, block_size=1),
                        **{name: getattr(args, name) for name in POLICY_OPTIONS[args.policy]})
     except (ValueError, TypeError, OSError) as exc:
         print(f"generate.py: error: {exc}", file=sys.stderr)
@@ -128,7 +128,7 @@ def main(argv=None):
     ids = torch.tensor([tokenizer.encode(args.prompt_file.read_text())], device=device)
     print(f"prompt: {ids.shape[1]} tokens; drafter block {drafter.cfg.block_size}, taps {drafter.cfg.target_layer_ids}")
     options = {name: getattr(args, name) for name in POLICY_OPTIONS[args.policy]}
-    result = spec.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, policy=args.policy,
+    result = spec_decode.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, policy=args.policy,
                            eos_token_id=tokenizer.eos_token_id, temperature=args.temperature, progress=True,
                            **options)
     print(tokenizer.decode(result.sequences[0, ids.shape[1]:].tolist()))
@@ -136,11 +136,11 @@ def main(argv=None):
     print(f"\npolicy {args.policy}: tau {result.tau:.2f} over {stats['rounds']} rounds, "
           f"TPOT {stats['tpot_s'] * 1e3:.1f} ms")
     if args.compare_ar:
-        ar = spec.autoregressive(target, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+        ar = spec_decode.autoregressive(target, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                                  temperature=args.temperature)
         same = torch.equal(ar.sequences, result.sequences)
         print(f"AR TPOT {ar.stats['per_sequence'][0]['tpot_s'] * 1e3:.1f} ms; speedup "
-              f"{spec.per_sequence_speedup(result, ar)[0]:.2f}x; identical output: {same}")
+              f"{spec_decode.per_sequence_speedup(result, ar)[0]:.2f}x; identical output: {same}")
     return 0
 
 

@@ -9,19 +9,19 @@ feature caches of ``examples/train_real_drafter.py``:
 ``lags``: a ridge probe from the taps at ``t`` to the target's embedding of the token at ``t - d``,
 scored by the nearest embedding row (top-1 over the whole vocabulary) on held-back sequences::
 
-    python examples/inspect_real_features.py lags --cache ~/.cache/fold/real-features --shards 4
+    python -m examples.inspect_real_features lags --cache ~/.cache/fold/real-features --shards 4
 
 ``layers``: the same probe from each hidden state of the target alone (``hidden_states[i]``, the
 embedding at 0, layer ``i - 1``'s output after it; a DFlash tap ``t`` is entry ``t + 1``), run on a
 cache's token ids, for choosing taps::
 
-    python examples/inspect_real_features.py layers --cache ~/.cache/fold/real-features --shards 2
+    python -m examples.inspect_real_features layers --cache ~/.cache/fold/real-features --shards 2
 
 ``copy``: a drafter's per-slot accuracy (its argmax equal to the target's greedy token) on a shard,
 split by whether the slot's token continues a copy of an earlier span (``fold.demo.data.copy_mask``)
 inside a run of >= 4 copied tokens, a shorter run, or no copy::
 
-    python examples/inspect_real_features.py copy --drafter DIR --shard FILE
+    python -m examples.inspect_real_features copy --drafter DIR --shard FILE
 
 (``--shard`` is best one the drafter never saw: ``train_real_drafter.py extract --form FORM --cache NEW
 --seed 1 --max-shards 1`` writes one of a training form.)
@@ -30,15 +30,13 @@ inside a run of >= 4 copied tokens, a shorter run, or no copy::
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_drafter import block_logits  # noqa: E402
-from train_real_drafter import existing_shards  # noqa: E402
+from examples.train_drafter import block_logits
+from examples.train_real_drafter import existing_shards
 
 
 def lag_probe(features: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, lags, *, train_rows: int,
@@ -122,7 +120,7 @@ def main(argv=None) -> None:
     cp.add_argument("--shard", type=Path, required=True)
     cp.add_argument("--target", type=Path, default=None)
     args = ap.parse_args(argv)
-    from fold import spec
+    from fold import spec_decode
     from fold.demo import real
 
     target, _ = real.load_target(args.target)
@@ -141,7 +139,7 @@ def main(argv=None) -> None:
         for i, res in enumerate(layer_probe(target, ids, args.lags, train_rows=len(ids) * 3 // 4)):
             print(f"  {i:3d}  " + "  ".join(f"lag {d}: {a:.3f}" for d, a in res.items()), flush=True)
         return
-    drafter = spec.load_drafter(args.drafter, target).float()
+    drafter = spec_decode.load_drafter(args.drafter, target).float()
     part = load_file(str(args.shard))
     res = copy_accuracy(drafter, part["features"], part["ids"].long(), part["greedy"].long(), part["copy"].bool())
     print(f"{args.drafter} on {args.shard}: long copies {_share(res['long_copy'])}, short copies "

@@ -1,8 +1,7 @@
 """FOLD inside vLLM: a DFlash drafter whose attention layers read through fold, greedy, with the
 engine's own spec-decode counters.
 
-    python examples/serve_vllm.py                                  # a tiny random pair, built here
-    python examples/serve_vllm.py --target TARGET --drafter DRAFTER --window 2048 --alpha 2.0
+    python -m examples.serve_vllm --target TARGET --drafter DRAFTER --window 2048 --alpha 2.0
 
 Run it in the vLLM environment (docs/vllm.md). The engine runs with vLLM's defaults (its dtype, its
 compiled mode); ``--dtype`` and ``--eager`` change them, ``--backend triton`` reads through fold's
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -24,8 +22,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=Path, help="HF directory of the target (default: a tiny random one)")
-    ap.add_argument("--drafter", type=Path, help="z-lab DFlash directory for it (default: a tiny random one)")
+    ap.add_argument("--target", type=Path, required=True, help="HF directory of the target")
+    ap.add_argument("--drafter", type=Path, required=True, help="z-lab DFlash directory for it")
     ap.add_argument("--read", choices=("fold", "window", "rerope", "stock"), default="fold")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=2.0)
@@ -37,19 +35,12 @@ def main(argv=None):
                     help="fold.attention's backend in the engine (default: Triton on CUDA, torch on a CPU)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
-    if (args.target is None) != (args.drafter is None):
-        ap.error("give both --target and --drafter, or neither (a tiny random pair)")
 
     import fold.vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     work = Path(tempfile.mkdtemp(prefix="fold-vllm-"))
-    if args.target is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.vllm.pair import make_drafter, make_target
-
-        args.target, args.drafter = make_target(work / "target", shift=0.0), make_drafter(work / "drafter")
     block = {"read": args.read}
     if args.read != "stock":
         block.update(window=args.window, backend=args.backend)

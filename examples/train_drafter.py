@@ -1,13 +1,13 @@
 """Train a z-lab DFlash drafter for the demo target, through fold's own drafter module, on the CPU or a GPU.
 
-    python examples/train_drafter.py --target fold/demo/artifacts/target --out fold/demo/artifacts/drafter
-    python examples/train_drafter.py ... --anchor-offset --out fold/demo/artifacts/drafter_anchor
+    python -m examples.train_drafter --target fold/demo/artifacts/target --out fold/demo/artifacts/drafter
+    python -m examples.train_drafter ... --anchor-offset --out fold/demo/artifacts/drafter_anchor
 
 Start: with ``--init copy`` (the default) the drafter starts as the closed-form copy circuit of
 ``examples/drafter_init.py`` (it needs a target with a context channel); ``--init random`` starts
 from normal(0, 0.02) weights, which on these CPUs did not learn to copy (see the demo's README section).
 
-The module is ``fold.spec.drafter.Drafter`` (what ``spec.load_drafter`` builds); this script only
+The module is ``fold.spec_decode.drafter.Drafter`` (what ``spec_decode.load_drafter`` builds); this script only
 adds a parallel training forward: many blocks per sequence, each ``[token at a, MASK x (B-1)]``
 reading the target features of entries ``< a`` and its own block (bidirectional), labels = the
 target's greedy tokens at the masked slots (positions ``a+1 .. a+B-1``). The target (its embedding
@@ -26,7 +26,7 @@ every later one is shifted by one random offset per sequence in ``[0, --max-offs
 
 Writes a z-lab DFlash directory (``config.json`` with ``DFlashDraftModel`` and ``dflash_config``,
 ``model.safetensors`` in bfloat16) and ``train_log.json`` (device, threads, wall time, loss curve,
-copy ability at the training length); then loads it back through ``spec.load_drafter`` and checks
+copy ability at the training length); then loads it back through ``spec_decode.load_drafter`` and checks
 that the loaded module reproduces the training forward.
 """
 
@@ -45,14 +45,14 @@ import transformers
 from safetensors.torch import save_file
 
 import fold.demo  # noqa: F401  (registers the fold_toy target)
-from fold import spec
+from fold import spec_decode
 from fold.demo import data
-from fold.spec import load_drafter
-from fold.spec.drafter import Drafter, DrafterConfig
-from fold.spec.loading import read_config
-from fold.spec.policies import plain_read
-from drafter_init import copy_circuit_init
-from train_target import MIX_HELP, check_device, check_mix, positive
+from fold.spec_decode import load_drafter
+from fold.spec_decode.drafter import Drafter, DrafterConfig
+from fold.spec_decode.loading import read_config
+from fold.spec_decode.policies import plain_read
+from examples.drafter_init import copy_circuit_init
+from examples.train_target import MIX_HELP, check_device, check_mix, positive
 
 
 def weighted_step(logits, labels, w, opt, params) -> torch.Tensor:
@@ -220,7 +220,7 @@ def copy_ability(target, drafter, tokenizer, code, args, n: int = 8, seed: int =
 
     - ``slot_accuracy_on_copies``: per slot, the share of copy positions (``data.copy_mask``) whose
       draft equals the target's greedy token, in the training forward on fresh sequences;
-    - ``retrieval_tau``: ``spec.generate``'s tau (policy ``dflash``, every entry at its true
+    - ``retrieval_tau``: ``spec_decode.generate``'s tau (policy ``dflash``, every entry at its true
       position) on retrieval prompts of the training length, the value stored at least half of it back.
     """
     rng = random.Random(seed)
@@ -243,7 +243,7 @@ def copy_ability(target, drafter, tokenizer, code, args, n: int = 8, seed: int =
     taus = []
     for _ in range(n):
         prompt, answer = data.retrieval_prompt(rng, tokenizer, args.seq_len, args.seq_len // 2)
-        res = spec.generate(target, drafter, torch.tensor([prompt], device=args.device), max_new_tokens=len(answer),
+        res = spec_decode.generate(target, drafter, torch.tensor([prompt], device=args.device), max_new_tokens=len(answer),
                             policy="dflash")
         taus.append(res.tau)
     drafter.train(was_training)
@@ -310,13 +310,8 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
+def load_target(args):
+    """The frozen target of ``--target``, checked against ``--heads`` and ``--taps``."""
     target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(args.device).eval()
     if args.heads > 0 and target.config.hidden_size % args.heads:
         raise SystemExit(f"--heads {args.heads} must divide the target's hidden size {target.config.hidden_size}")
@@ -326,8 +321,11 @@ def main(argv=None):
                          "to tap (not the last)")
     for p in target.parameters():
         p.requires_grad_(False)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
-    code, _ = data.split_corpus(args.stdlib)
+    return target
+
+
+def new_drafter(args, target) -> Drafter:
+    """A drafter for ``target`` with N(0, 0.02) linear weights; its config.json written into ``--out``."""
     args.out.mkdir(parents=True, exist_ok=True)
     config = drafter_config(target.config, args)
     (args.out / "config.json").write_text(json.dumps(config, indent=1))
@@ -335,6 +333,20 @@ def main(argv=None):
     drafter = Drafter(cfg).to(args.device)
     drafter.bind(target)
     drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
+    return drafter
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    target = load_target(args)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
+    code, _ = data.split_corpus(args.stdlib)
+    drafter = new_drafter(args, target)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32, device=args.device)
@@ -391,14 +403,14 @@ def main(argv=None):
     save_file(state, str(args.out / "model.safetensors"))
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng, code, args)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
-    print(f"saved {args.out} (loaded back through spec.load_drafter; "
+    print(f"saved {args.out} (loaded back through spec_decode.load_drafter; "
           f"max |logit diff| vs the training forward {log['load_check_max_abs_diff']:.3g})")
     return log
 
 
 @torch.no_grad()
 def check_loaded(path, target, tokenizer, rng, code, args) -> float:
-    """Load the directory through ``spec.load_drafter`` and compare its inference path (the plain
+    """Load the directory through ``spec_decode.load_drafter`` and compare its inference path (the plain
     read) with the training forward of the same loaded (bf16-rounded) weights on one block."""
     loaded = load_drafter(path, target).float()
     n = max(args.seq_len, 2 * args.block_size + 2)

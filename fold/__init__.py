@@ -5,10 +5,10 @@ Public API: :class:`Rope`, :func:`attention`, :func:`merge_states`, :func:`tree_
 """
 
 from fold import far_pages
-from fold.attention import attention
+from fold.fold_attention import attention
 from fold.merge import merge_states
 from fold.rope import Rope
-from fold.tree import tree_attention
+from fold.hybrid_tree import tree_attention
 
 __version__ = "0.1.0"
 

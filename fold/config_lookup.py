@@ -34,7 +34,7 @@ and :func:`num_splits_for` takes the split count that minimises it (the fewest o
 split). This is FlashAttention's wave-efficiency rule with the slot count of the tile instead of the
 SM count, plus the merge traffic that makes many splits lose on short caches.
 
-Checked against ``tuning/results/h200-2026-11-29-gpu_check.log`` (a stage-1 kernel of 8 warps, one
+Checked against ``results/tools/h200-2026-11-29-gpu_check.log`` (a stage-1 kernel of 8 warps, one
 CTA per SM, so ``slots = 132``; Llama-3.1-8B drafter, ``P = 8``): the model gives 16 splits at 8K
 (``eff = 128/132``; 8 splits fill half the GPU, 32 double the merge traffic for the same
 efficiency) and at 128K, the split that sweep picked at both. ``python -m tuning tune`` records, per
@@ -286,7 +286,7 @@ def num_splits_for(*, batch: int, heads_kv: int, n_q: int, group: int, head_dim:
 
 def heuristic_tile(*, rows: int, head_dim: int) -> tuple[int, int, int, int]:
     """A sound default tile for ``rows = n_q * group`` query rows per KV head: one warpgroup over 64
-    rows (Hopper's wgmma needs 64), two CTAs per SM, no spills (``tuning/static_report.py``)."""
+    rows (Hopper's wgmma needs 64), two CTAs per SM, no spills (``tools/static_report.py``)."""
     block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
     num_warps = 8 if block_m == 128 or head_dim > 128 else 4
     return (block_m, 64, num_warps, 2)

@@ -15,7 +15,7 @@ cache, and the chunk states merged once at the end, so memory stays ``O(chunk)``
 extra work is one pass over keys still in cache. Each parallel torch op is a region that waits for its
 slowest thread, and under CPU load (another process on one core) that thread is often descheduled, so
 the small ops run on one thread and only the fused reads are parallel (:func:`_serial_on_cpu`): a few
-regions a read, as the plain read (``tuning/results/cpu-load.md``). Angles are formed in float64
+regions a read, as the plain read (``results/bench/cpu-load.md``). Angles are formed in float64
 (:func:`fold.rope.rotate`).
 """
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding, written out plainly (the spec the kernels are checked against).
+"""Rotary position embedding, written out plainly (the reference the kernels are checked against).
 
 ``R_j x`` rotates the first ``rotary_dim`` dimensions of ``x`` by the angles ``j * inv_freq`` and
 multiplies them by ``attention_factor``; the remaining dimensions pass through. The pair layout is

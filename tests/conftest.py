@@ -46,7 +46,7 @@ def nan_poison_fold_allocations():
 # `-m quick`: the subset another torch release runs (README, .ci/run): the op against the reference on
 # both paths, the custom ops under torch.compile, bad input, RoPE, the loop and every target family
 QUICK = ("core/test_attention.py", "core/test_torch_path.py", "core/test_engine_ops.py", "core/test_validation.py",
-         "core/test_rope.py", "spec/test_spec_loop.py", "spec/test_spec_families.py")
+         "core/test_rope.py", "spec_decode/test_spec_loop.py", "spec_decode/test_spec_families.py")
 
 
 def pytest_collection_modifyitems(config, items):

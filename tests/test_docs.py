@@ -2,6 +2,7 @@
 docs/ and the READMEs beside the code resolves (to a file, and to a heading where it names one)."""
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,70 @@ def test_every_relative_link_resolves(doc):
         assert path.exists(), f"{doc.relative_to(ROOT)}: {link} -> {path} does not exist"
         if anchor and path.suffix == ".md":
             assert anchor in _anchors(path), f"{doc.relative_to(ROOT)}: {link}: no heading #{anchor} in {path.name}"
+
+
+PATH_IN_CODE = re.compile(r"`([\w.\-]+(?:/[\w.\-<>]*)+)`")
+ROOTS = ("fold/", "reference/", "tests/", "tuning/", "benchmarks/", "examples/", "docs/", ".ci/")
+
+
+def test_readme_names_only_files_that_exist():
+    paths = [m.group(1) for m in PATH_IN_CODE.finditer((ROOT / "README.md").read_text()) if m.group(1).startswith(ROOTS)]
+    assert len(paths) > 10, "the pattern found almost no paths in README (is it right?)"
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"README names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("module, public", [("fold.fold_attention", "attention"), ("fold.hybrid_tree", "tree_attention")])
+def test_public_functions_do_not_shadow_their_modules(module, public):
+    import importlib
+    import types
+
+    import fold
+    mod = importlib.import_module(module)
+    assert isinstance(mod, types.ModuleType) and getattr(fold, public) is getattr(mod, public)
+    leaf = module.rsplit(".", 1)[1]
+    assert isinstance(getattr(fold, leaf), types.ModuleType), f"fold.{leaf} is not the module {module}"
+
+
+def test_the_loop_is_not_called_spec():
+    import importlib.util
+    assert importlib.util.find_spec("fold.spec") is None
+    assert importlib.util.find_spec("fold.spec_decode") is not None
+
+
+def _long_functions(limit: int = 80) -> list[str]:
+    """Functions (methods included) whose body, docstring left out, holds more than ``limit`` non-blank
+    lines, in every Python file of the repository outside virtual environments; ``@triton.jit``
+    kernels are exempt (a kernel's loop is one stage)."""
+    import ast
+
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0].startswith(".") or "site-packages" in rel.parts:
+            continue
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if any("jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            body = node.body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and len(body) > 1:
+                body = body[1:]
+            count = sum(1 for line in lines[body[0].lineno - 1:node.end_lineno] if line.strip())
+            if count > limit:
+                found.append(f"{rel}:{node.lineno} {node.name} ({count} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    assert not _long_functions(), _long_functions()
+
+
+def test_the_length_rule_sees_a_long_function(tmp_path, monkeypatch):
+    (tmp_path / "long.py").write_text("def f():\n    '''doc'''\n" + "    x = 1\n" * 81)
+    (tmp_path / "short.py").write_text("def g():\n" + "    x = 1\n" * 80)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _long_functions() == ["long.py:1 f (81 lines)"]

@@ -1,36 +1,25 @@
-"""``python -m tuning tune|show|verify|inspect``: tune the Triton kernels for this GPU and ship the result.
+"""``python -m tuning tune|show``: tune the Triton kernels for this GPU and ship the result.
 
     python -m tuning tune --dry-run                 # what would be timed (works on a CPU)
     python -m tuning tune                           # sweep, write fold/configs/<device>.json
     python -m tuning tune --out $FOLD_TUNING_DIR    # or a folder fold reads at runtime
     python -m tuning show fold/configs/NVIDIA_H200.json
-    python -m tuning verify --sample 20             # configs vs the reference (interpreter on a CPU)
-    python -m tuning inspect                        # registers/spills/shared memory on sm_90, no GPU needed
-    python -m tuning inspect --json --dump cubins/  # one JSON record per launch; the cubins
+
+The checks of what it may pick live in ``tools/``: ``python -m tools.verify_configs`` (every config of
+the space against the reference) and ``python -m tools.static_report`` (registers, spills and shared
+memory on sm_90, no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 from pathlib import Path
 
+from fold.argtypes import positive
+
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text!r}")
-        return value
-    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,37 +33,13 @@ def parser() -> argparse.ArgumentParser:
     p_tune.add_argument("--drafters", nargs="+", choices=sorted(DRAFTERS), default=sorted(DRAFTERS))
     p_tune.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=DTYPES)
     p_tune.add_argument("--layout", nargs="+", default=["unrotated", "rotated"], choices=["unrotated", "rotated"])
-    p_tune.add_argument("--lengths", nargs="+", type=_positive(int), default=buckets)
-    p_tune.add_argument("--top-k", type=_positive(int), default=3)
+    p_tune.add_argument("--lengths", nargs="+", type=positive(int), default=buckets)
+    p_tune.add_argument("--top-k", type=positive(int), default=3)
     p_tune.add_argument("--out", type=Path, default=None,
                         help="folder of the cache (default: $FOLD_TUNING_DIR, else fold/configs)")
     p_tune.add_argument("--dry-run", action="store_true", help="list the sweep without timing")
     p_show = sub.add_parser("show", help="print a cache file")
     p_show.add_argument("path", type=Path)
-    p_verify = sub.add_parser("verify", help="run configs of the space against the reference")
-    p_verify.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"], choices=DTYPES)
-    p_verify.add_argument("--sample", type=_positive(int), default=None, help="check this many random configs")
-    p_verify.add_argument("--seed", type=int, default=0)
-    p_verify.add_argument("--budget-s", type=_positive(float), default=None)
-    p_inspect = sub.add_parser("inspect", help="compile what fold launches for sm_90 and report registers, "
-                               "spills, shared memory and wgmma (no GPU needed)")
-    p_inspect.add_argument("--drafters", nargs="+", choices=sorted(DRAFTERS), default=sorted(DRAFTERS))
-    p_inspect.add_argument("--layout", nargs="+", default=["unrotated", "rotated"], choices=["unrotated", "rotated"])
-    p_inspect.add_argument("--lengths", nargs="+", type=_positive(int), default=None,
-                           help="cache lengths (default: 8K, 32K, 128K, 256K)")
-    p_inspect.add_argument("--heads-kv", nargs="+", type=_positive(int), default=None,
-                           help="KV heads of each drafter shape, its query heads kept (default: 1 2 4 8)")
-    p_inspect.add_argument("--device", default="NVIDIA_H200", help="the cache file name fold would read")
-    p_inspect.add_argument("--sms", type=_positive(int), default=132, help="SMs the split model assumes")
-    p_inspect.add_argument("--arch", type=_positive(int), default=90, help="compile for sm_<arch>")
-    p_inspect.add_argument("--no-tree", action="store_true", help="leave out fold.tree_attention's launches")
-    p_inspect.add_argument("--no-serving", action="store_true",
-                           help="leave out the reads fold.vllm serves (window alone, sliding + causal, FP8 pages)")
-    p_inspect.add_argument("--page-size", type=_positive(int), default=None,
-                           help="read a paged cache (block_table) with pages of this many entries")
-    p_inspect.add_argument("--json", action="store_true", help="print one JSON list, one object per launch")
-    p_inspect.add_argument("--dump", type=Path, default=None, help="write each cubin into this folder")
-    p_inspect.add_argument("--workers", type=_positive(int), default=None, help="parallel compiles")
     return parser
 
 
@@ -106,55 +71,10 @@ def show(path: Path) -> int:
     return 2 if problems else 0
 
 
-def inspect(args) -> int:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        print("python -m tuning inspect: error: TRITON_INTERPRET=1 is set; the report compiles the kernels, "
-              "run it without the interpreter", file=sys.stderr)
-        return 2
-    from tuning import static_report
-
-    try:
-        items = static_report.plan(args.drafters, args.lengths or static_report.DEFAULT_LENGTHS,
-                                   tuple(x == "rotated" for x in args.layout),
-                                   heads_kv=args.heads_kv or static_report.DEFAULT_HEADS_KV, tree=not args.no_tree,
-                                   device=args.device, sms=args.sms, page_size=args.page_size or 0,
-                                   serving=not args.no_serving)
-    except ValueError as exc:
-        print(f"python -m tuning inspect: error: {exc}", file=sys.stderr)
-        return 2
-    if not args.json:
-        print(f"what fold launches on {args.device} ({args.sms} SMs), compiled for sm_{args.arch}\n")
-        print(static_report.HEADER)
-    records = static_report.report(items, arch=args.arch, dump=args.dump, workers=args.workers,
-                                   log=None if args.json else print)
-    if args.json:
-        print(json.dumps(records, indent=1))
-    spilling = [r for r in records if r["spill_stores"] or r["spill_loads"]]
-    for r in spilling:
-        print(f"python -m tuning inspect: spills: {static_report.format_row(r)}", file=sys.stderr)
-    return 1 if spilling else 0
-
-
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.command == "show":
         return show(args.path)
-    if args.command == "inspect":
-        return inspect(args)
-
-    import torch
-
-    if args.command == "verify":
-        from tuning.verify import verify
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            print("no GPU: set TRITON_INTERPRET=1 to verify in Triton's interpreter (slow; use --sample)")
-            return 2
-        checked, failures = verify(dtypes=tuple(args.dtype), device=device, sample=args.sample, seed=args.seed,
-                                   budget_s=args.budget_s)
-        print(f"verify: {checked} checks, {len(failures)} failures")
-        return 1 if failures else 0
 
     from fold.config_lookup import SHIPPED_DIR
     from tuning.tune import drafter_classes, plan, tune

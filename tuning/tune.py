@@ -6,7 +6,7 @@ model in :mod:`fold.config_lookup` (it depends on the batch and KV heads, which 
 Per class the sweep runs in two stages, since the tile hardly depends on the length:
 
 1. tiles: every tile of the kept space that compiles without spilling registers (checked offline
-   for the GPU's architecture, ``tuning/static_report.py``), at one reference length, each with the
+   for the GPU's architecture, ``tools/static_report.py``), at one reference length, each with the
    model's split count; the ``top_k`` fastest go on;
 2. per length bucket: those tiles with the model's split count, and the heuristic tile; the fastest
    is the entry. For the winner, every other split count the model can pick at that length
@@ -113,7 +113,7 @@ def plan(cls: ShapeClass, lengths: Sequence[int], top_k: int = 3,
 def static_spills(arch: int) -> SpillCheck:
     """The spill check of a real sweep: compile the class's stage-1 kernels (both branches) of each
     tile for ``sm_<arch>`` (no launch, in parallel) and count spill stores and loads in their SASS."""
-    from tuning import static_report
+    from tools import static_report
 
     def spills(cls: ShapeClass, tiles: Sequence[tuple]) -> dict:
         return static_report.stage1_spills(cls.drafter(), cls.keys_rotated, tiles, arch=arch)

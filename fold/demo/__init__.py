@@ -6,10 +6,10 @@ it (the second trained with LongSpec's anchor-offset position indices). Load the
 checkpoints load::
 
     import fold.demo, transformers
-    from fold import spec
+    from fold import spec_decode
     target = transformers.AutoModelForCausalLM.from_pretrained(fold.demo.TARGET_DIR).float().eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(fold.demo.TARGET_DIR)
-    drafter = spec.load_drafter(fold.demo.DRAFTER_DIR, target)
+    drafter = spec_decode.load_drafter(fold.demo.DRAFTER_DIR, target)
 """
 
 from pathlib import Path

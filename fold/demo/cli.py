@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from fold.attention import MAX_ALPHA
+from fold.argtypes import at_least, in_range
+from fold.fold_attention import MAX_ALPHA
 from fold.far_pages import RANKS
 from fold.demo import data
 
@@ -93,26 +94,26 @@ def default_artifacts() -> Path:
 
 def load_pair(artifacts: Path | None = None, dtype=torch.float32):
     """The target, both drafters and the tokenizer under ``artifacts`` (default: the shipped pair),
-    through transformers and ``spec.load_drafter``."""
+    through transformers and ``spec_decode.load_drafter``."""
     import transformers
 
     import fold.demo  # noqa: F401  (registers fold_toy)
-    from fold import spec
+    from fold import spec_decode
 
     root = artifacts or default_artifacts()
     target = transformers.AutoModelForCausalLM.from_pretrained(root / "target", dtype=dtype).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(root / "target")
-    return (target, spec.load_drafter(root / "drafter", target), spec.load_drafter(root / "drafter_anchor", target),
+    return (target, spec_decode.load_drafter(root / "drafter", target), spec_decode.load_drafter(root / "drafter_anchor", target),
             tokenizer)
 
 
 def load_real_pair(drafter_dir: Path | None = None, log=print):
     """The real target (converted on first use), its drafter and tokenizer; ``anchor`` is None."""
-    from fold import spec
+    from fold import spec_decode
     from fold.demo import real
 
     target, tokenizer = real.load_target()
-    return target, spec.load_drafter(drafter_dir or real.DRAFTER_DIR, target), None, tokenizer
+    return target, spec_decode.load_drafter(drafter_dir or real.DRAFTER_DIR, target), None, tokenizer
 
 
 def training_length(artifacts: Path | None = None, default: int = 256, drafter_dir: Path | None = None) -> int:
@@ -194,7 +195,7 @@ def shifted_read(rope, shift: int):
 
 
 def _ci(values) -> tuple[float, list[float]]:
-    from fold.spec.metrics import bootstrap_ci
+    from fold.spec_decode.metrics import bootstrap_ci
 
     mean, lo, hi = bootstrap_ci([list(values)])
     return round(mean, 4), [round(lo, 4), round(hi, 4)]
@@ -215,7 +216,7 @@ def _tpot(result) -> float:
 
 
 def _tau(result) -> float:
-    from fold.spec.metrics import per_sequence_tau
+    from fold.spec_decode.metrics import per_sequence_tau
 
     return per_sequence_tau(result)[0]
 
@@ -264,7 +265,9 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
     return tried
 
 
-def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
+def cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
+    """One record per row of a measured cell (``rows``: AR first, then the policies, each run on the same
+    prompts): τ, τ − Window and τ − FOLD paired with 95% bootstrap CIs, the speedup over AR."""
     ar = next(r for r in rows if r.name == "AR")
     ar_tpot = [statistics.median(t) for t in ar.tpots]
     window = next((r for r in rows if r.name == "window"), None)
@@ -289,23 +292,27 @@ def _cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
 
 def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int,
               draft_cutoff: float = 0.0, prefill=None, far_budget: int = FAR_BUDGET,
-              far_page: int = FAR_PAGE, far_rank: str = "bound") -> list[Row]:
-    """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec.generate`'s, every drafter
-    row; ``prefill``: a :class:`fold.spec.Prefills` the rows share, so each prompt is run once;
-    ``far_budget``, ``far_page``, ``far_rank``: the ``fold-budget`` row's)."""
-    from fold import spec
+              far_page: int = FAR_PAGE, far_rank: str = "bound", policies: dict | None = None) -> list[Row]:
+    """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec_decode.generate`'s, every drafter
+    row; ``prefill``: a :class:`fold.spec_decode.Prefills` the rows share, so each prompt is run once;
+    ``far_budget``, ``far_page``, ``far_rank``: the ``fold-budget`` row's; ``policies``: {row name: a
+    ``policy(request) -> Read``} run for that row instead of its own read, the hook through which a
+    script watches or replaces a row's read, :class:`fold.spec_decode.Read`)."""
+    from fold import spec_decode
 
     def ar(prompt, n_new):
-        return spec.autoregressive(target, prompt, max_new_tokens=n_new, prefill=prefill)
+        return spec_decode.autoregressive(target, prompt, max_new_tokens=n_new, prefill=prefill)
 
     rows = [Row("AR", ar)]
     for name in names:
         model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, "fold" if name == BUDGET_ROW else name)
         opts = ({} if name == ANCHOR_ROW
                 else policy_options(name, window, alpha, train_len, far_budget, far_page, far_rank))
+        if policies and name in policies:
+            policy, opts = policies[name], {}
 
         def run(prompt, n_new, model=model, policy=policy, opts=opts):
-            return spec.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
+            return spec_decode.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
                                  draft_cutoff=draft_cutoff, prefill=prefill, **opts)
         rows.append(Row(name, run))
     return rows
@@ -320,16 +327,17 @@ def warm_up(rows: list[Row], ids: torch.Tensor) -> None:
 def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengths, rows, prompts, new_tokens,
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
                    held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False,
-                   far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE, far_rank: str = "bound") -> list[dict]:
+                   far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE, far_rank: str = "bound",
+                   policies: dict | None = None) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.data.held_out_code`; ``held_text``: see
     :func:`prompts_for` (the real pair's: its retrieval cells keep the first ``prompts`` prompts whose
     value the target retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn, and their records carry
     ``prompts_drawn``, ``prompts_answered`` and ``scope``, :data:`SCOPES`; ``every_prompt``: the first
-    ``prompts`` drawn, retrieved or not).
+    ``prompts`` drawn, retrieved or not); ``policies``: :func:`make_rows`'s.
     Every row of a cell runs the same prompts and TPOT excludes the prefill, so each prompt is run
-    once (:class:`fold.spec.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
+    once (:class:`fold.spec_decode.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
     are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
-    from fold import spec
+    from fold import spec_decode
 
     records = []
     warmed = False
@@ -338,9 +346,9 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
             answered = task != "code" and held_text is not None and not every_prompt
             ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
                                               held_ids, tokenizer, new_tokens, held_text)
-            shared = spec.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
+            shared = spec_decode.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
             cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared,
-                             far_budget, far_page, far_rank)
+                             far_budget, far_page, far_rank, policies)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True
@@ -348,7 +356,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
             if not cell[0].taus:
                 log(f"{task} {length}: the target retrieved none of {tried} stored values; no row measured")
                 continue
-            recs = _cell_records(task, ids.shape[1], cell)
+            recs = cell_records(task, ids.shape[1], cell)
             for rec in recs:
                 if answered:
                     rec.update(prompts_drawn=tried, prompts_answered=len(cell[0].taus))
@@ -369,13 +377,13 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
     """Finding 1: tau of each drafter on code prompts of half its training length, with its block
     moved ``factor * train_len`` positions away from every context entry (``anchor`` None: the
     first drafter alone)."""
-    from fold import spec
-    from fold.spec.metrics import per_sequence_tau
+    from fold import spec_decode
+    from fold.spec_decode.metrics import per_sequence_tau
 
-    shared = spec.Prefills(target)
+    shared = spec_decode.Prefills(target)
     length = max(16, train_len // 2)
     ids, n_new, _ = prompts_for("code", length, prompts, seed, held_ids, tokenizer, min(new_tokens, train_len // 2))
-    ar = spec.autoregressive(target, ids, max_new_tokens=n_new, prefill=shared)
+    ar = spec_decode.autoregressive(target, ids, max_new_tokens=n_new, prefill=shared)
     records = []
     for label, model in (("dflash", drafter), (ANCHOR_ROW, anchor)):
         if model is None:
@@ -384,10 +392,10 @@ def run_shift(target, drafter, anchor, tokenizer, *, held_ids, prompts, new_toke
         for factor in factors:
             shift = factor * train_len
             if shift == 0:
-                res = spec.generate(target, model, ids, max_new_tokens=n_new, policy="dflash", prefill=shared)
-            else:                                       # the same loop with a custom read (spec.Read protocol)
-                res = spec.generate(target, model, ids, max_new_tokens=n_new, prefill=shared,
-                                    policy=lambda request, s=shift: spec.Read(shifted_read(request["rope"], s),
+                res = spec_decode.generate(target, model, ids, max_new_tokens=n_new, policy="dflash", prefill=shared)
+            else:                                       # the same loop with a custom read (spec_decode.Read protocol)
+                res = spec_decode.generate(target, model, ids, max_new_tokens=n_new, prefill=shared,
+                                    policy=lambda request, s=shift: spec_decode.Read(shifted_read(request["rope"], s),
                                                                               rope=request["rope"]))
             taus = per_sequence_tau(res)
             tau, tau_ci = _ci(taus)
@@ -499,31 +507,6 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _int_at_least(minimum: int, why: str = ""):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
-        return value
-    return parse
-
-
-def _float_in(low: float, high: float, *, high_open: bool = False):
-    """An argparse type: a number in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (low <= value < high if high_open else low <= value <= high):
-            raise argparse.ArgumentTypeError(f"must lie in [{low:g}, {high:g}{')' if high_open else ']'}, got {value}")
-        return value
-    return parse
-
-
 def check_writable(out: Path) -> None:
     """Create ``out`` and prove a file can be written there, before any work is done."""
     out.mkdir(parents=True, exist_ok=True)
@@ -558,7 +541,8 @@ def save_results(records: list[dict], out: Path) -> str:
     return table
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``fold-demo``'s arguments (defaults of ``None`` are filled from the preset)."""
     ap = argparse.ArgumentParser(prog="fold-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 lengths, 4 rows: under 2 minutes on 2 cores")
@@ -571,7 +555,7 @@ def main(argv=None) -> int:
                     help="with --real: a drafter directory other than the shipped fold/demo/artifacts/real_drafter")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default: fold-demo-out, or fold-demo-out-real with --real)")
-    ap.add_argument("--lengths", type=_int_at_least(256), nargs="+",
+    ap.add_argument("--lengths", type=at_least(256), nargs="+",
                     help="context lengths in tokens, each >= 256 (default: preset)")
     ap.add_argument("--rows", nargs="+", choices=ROWS,
                     help="policies to compare (default: preset)")
@@ -579,32 +563,37 @@ def main(argv=None) -> int:
                     help=f"default: {' '.join(TASKS)}; with --real {' '.join(REAL_TASKS)} (retrieval: the real "
                          "drafter's training format; " + ", ".join(HELD_OUT_TASKS) + ": forms held out from its "
                          "training, --real only)")
-    ap.add_argument("--prompts", type=_int_at_least(1), help="prompts per task and length (default: preset)")
-    ap.add_argument("--new-tokens", type=_int_at_least(1), help="tokens generated per code prompt (default: preset)")
-    ap.add_argument("--repeats", type=_int_at_least(1), help="timed runs of each row per prompt (default: preset)")
-    ap.add_argument("--window", type=_int_at_least(8, " (StreamingLLM keeps 4 sinks and window - 4 recent entries)"),
+    ap.add_argument("--prompts", type=at_least(1), help="prompts per task and length (default: preset)")
+    ap.add_argument("--new-tokens", type=at_least(1), help="tokens generated per code prompt (default: preset)")
+    ap.add_argument("--repeats", type=at_least(1), help="timed runs of each row per prompt (default: preset)")
+    ap.add_argument("--window", type=at_least(8, " (StreamingLLM keeps 4 sinks and window - 4 recent entries)"),
                     default=None, help="FOLD's W (and Window's, ReRoPE's, StreamingLLM's), in tokens "
                                        f"(default: 128; {REAL_WINDOW} with --real)")
-    ap.add_argument("--alpha", type=_float_in(1.0, MAX_ALPHA), default=2.0,
+    ap.add_argument("--alpha", type=in_range(1.0, MAX_ALPHA), default=2.0,
                     help="FOLD's concentration factor, in [1, 1e4]")
-    ap.add_argument("--far-budget", type=_int_at_least(1), default=FAR_BUDGET,
+    ap.add_argument("--far-budget", type=at_least(1), default=FAR_BUDGET,
                     help=f"the {BUDGET_ROW} row: far entries FOLD's far branch reads per round (default {FAR_BUDGET})")
-    ap.add_argument("--far-page", type=_int_at_least(1), default=FAR_PAGE,
+    ap.add_argument("--far-page", type=at_least(1), default=FAR_PAGE,
                     help=f"the {BUDGET_ROW} row: entries per far page (default {FAR_PAGE})")
     ap.add_argument("--far-rank", choices=RANKS, default="bound",
                     help=f"the {BUDGET_ROW} row: rank far pages by their key bounds (default) or by their keys")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a folder with target/, drafter/ and drafter_anchor/ as the training scripts write them "
                          "(default: the shipped pair)")
-    ap.add_argument("--draft-cutoff", type=_float_in(0.0, 1.0, high_open=True), default=0.0,
+    ap.add_argument("--draft-cutoff", type=in_range(0.0, 1.0, high_open=True), default=0.0,
                     help="end a draft chain before the first slot whose top probability is under this, in [0, 1) "
-                         "(spec.generate's draft_cutoff; 0: verify every slot, the paper's setting)")
+                         "(spec_decode.generate's draft_cutoff; 0: verify every slot, the paper's setting)")
     ap.add_argument("--every-prompt", action="store_true",
                     help="with --real: measure retrieval on every prompt drawn, also those whose planted value the "
                          "target does not retrieve (default: only those it does)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> int | None:
+    """Every argument checked before any work (``ap.error`` exits with status 2); fills ``tasks``,
+    ``window`` and ``out``. Returns 2 when the real target is not installed, else None."""
     if args.real and args.artifacts is not None:
         ap.error("--artifacts names a toy pair; with --real use --drafter")
     if args.drafter is not None and not args.real:
@@ -642,14 +631,31 @@ def main(argv=None) -> int:
         check_writable(args.out)
     except OSError as exc:
         ap.error(f"--out {args.out} is not a writable folder: {exc}")
+    return None
 
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    code = check_args(ap, args)
+    if code is not None:
+        return code
+    t0 = time.perf_counter()
+    records, info = measure(ap, args)
+    return report(records, args, info, time.perf_counter() - t0)
+
+
+def measure(ap: argparse.ArgumentParser, args) -> tuple[list[dict], dict]:
+    """Load the pair, run every cell (and the shift diagnostic), save as it goes; returns the records
+    and what :func:`report` states about the run (the preset's values, the drafter's training length)."""
     preset = (REAL_PRESETS if args.real else PRESETS)["quick" if args.quick else "default"]
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     lengths, prompts, new_tokens, repeats = pick("lengths"), pick("prompts"), pick("new_tokens"), pick("repeats")
     rows = tuple(pick("rows"))
     torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
     if args.real:
+        from fold.demo import real
+
         rows = tuple(r for r in rows if r != ANCHOR_ROW)
         target, drafter, anchor, tokenizer = load_real_pair(args.drafter)
         train_len = training_length(drafter_dir=args.drafter or real.DRAFTER_DIR)
@@ -657,7 +663,7 @@ def main(argv=None) -> int:
         target, drafter, anchor, tokenizer = load_pair(args.artifacts)
         train_len = training_length(args.artifacts)
     if BUDGET_ROW in rows:
-        from fold.spec.policies import make_read
+        from fold.spec_decode.policies import make_read
 
         try:                                  # the budget must hold the pages a drafter block straddles
             make_read("fold", drafter.cfg.rope, request=dict(prompt_len=1, max_new_tokens=1,
@@ -692,12 +698,19 @@ def main(argv=None) -> int:
         table = save_results(records, args.out)
     if bar is not None:
         bar.close()
+    return records, dict(table=table, prompts=prompts, repeats=repeats, new_tokens=new_tokens, train_len=train_len)
+
+
+def report(records: list[dict], args, info: dict, seconds: float) -> int:
+    """Print the table, the run's settings and the lossless check; 1 if any row differed from AR."""
+    table, prompts, repeats, new_tokens, train_len = (info[k] for k in ("table", "prompts", "repeats", "new_tokens",
+                                                                        "train_len"))
     print(table)
     runs = [r for r in records if r["policy"] != "AR"]
     bad = [r for r in runs if not r["lossless"]]
     print(f"\n{'real pair (SmolLM2-135M-Instruct), ' if args.real else ''}W={args.window}, alpha={args.alpha}, {BUDGET_ROW}: {args.far_budget} far entries in pages of {args.far_page} ranked by {args.far_rank}, draft cutoff {args.draft_cutoff}, {prompts} prompts per cell, {repeats} timed repeats per prompt, "
           f"{new_tokens} new tokens per code prompt, the stored value's length per retrieval prompt; drafter trained "
-          f"on {train_len} tokens; {time.perf_counter() - t0:.0f} s")
+          f"on {train_len} tokens; {seconds:.0f} s")
     print(f"lossless: {len(runs) - len(bad)}/{len(runs)} rows produced exactly the target's greedy output on every "
           "prompt and repeat" + ("" if not bad else " -- FAILED: " + ", ".join(
               f"{r['task']}/{r['length']}/{r['policy']}" for r in bad)))

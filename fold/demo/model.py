@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fold.rope import theta_inv_freq
-from fold.spec.drafter import MLP, RMSNorm          # the same blocks (they read hidden/intermediate sizes)
+from fold.spec_decode.drafter import MLP, RMSNorm          # the same blocks (they read hidden/intermediate sizes)
 
 
 class FoldToyConfig(PretrainedConfig):

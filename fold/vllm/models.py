@@ -62,10 +62,10 @@ def rope_of(rotary_emb) -> fold.Rope:
     served = rotary_emb.cos_sin_cache.detach()
     size = served.shape[0]
     positions = torch.tensor(sorted({0, 1, 7, 1000 % size, size // 2, size - 1}))
-    try:                                   # a class whose table takes more than positions (LongRoPE) is refused
+    try:        # a class whose table takes more than positions (LongRoPE), or without vLLM's formula, is refused
         inv_freq = _table_inv_freq(rotary_emb).to(torch.float32)
         table = rotary_emb._compute_cos_sin_cache().detach()[positions].to("cpu", torch.float64)   # vLLM's formula
-    except TypeError as exc:
+    except (TypeError, AttributeError) as exc:
         raise refused from exc
     served = served[positions.to(served.device)].to("cpu", torch.float64)
     factor = float(table[0, 0])                                                        # cos(0) x scale

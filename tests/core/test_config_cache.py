@@ -221,7 +221,7 @@ LLAMA = dict(n_q=10, group=4, head_dim=128)
 
 
 def test_the_split_model_reproduces_the_first_h200_tuning_run():
-    """tuning/results/h200-2026-11-29-gpu_check.log: a stage-1 kernel of 8 warps (one CTA per SM,
+    """results/tools/h200-2026-11-29-gpu_check.log: a stage-1 kernel of 8 warps (one CTA per SM,
     132 slots), batch 1 x 8 KV heads; the sweep picked 16 splits at 8K and at 128K."""
     for length in (8192, 131072):
         for tile in ((64, 16, 8, 3), (64, 32, 8, 3)):
@@ -291,17 +291,20 @@ def test_cli_show_of_a_missing_file(tmp_path, capsys):
     assert "cannot be read" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["verify", "--sample", "-1"], "--sample: must be a positive int"),
-    (["verify", "--sample", "0"], "--sample: must be a positive int"),
-    (["verify", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
-    (["verify", "--budget-s", "nan"], "--budget-s: must be a positive float"),
-    (["tune", "--dry-run", "--lengths", "0"], "--lengths: must be a positive int"),
-    (["tune", "--dry-run", "--top-k", "0"], "--top-k: must be a positive int"),
-    (["inspect", "--arch", "-90"], "--arch: must be a positive int"),
+@pytest.mark.parametrize("command, argv, words", [
+    ("verify", ["--sample", "-1"], "--sample: must be a positive int"),
+    ("verify", ["--sample", "0"], "--sample: must be a positive int"),
+    ("verify", ["--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+    ("verify", ["--budget-s", "nan"], "--budget-s: must be a positive float"),
+    ("tune", ["tune", "--dry-run", "--lengths", "0"], "--lengths: must be a positive int"),
+    ("tune", ["tune", "--dry-run", "--top-k", "0"], "--top-k: must be a positive int"),
+    ("inspect", ["--arch", "-90"], "--arch: must be a positive int"),
 ])
-def test_cli_rejects_bad_arguments_before_any_work(capsys, argv, words):
+def test_cli_rejects_bad_arguments_before_any_work(capsys, command, argv, words):
+    from tools import static_report, verify_configs
+
+    main = {"tune": tuning_main, "verify": verify_configs.main, "inspect": static_report.main}[command]
     with pytest.raises(SystemExit) as info:
-        tuning_main(argv)
+        main(argv)
     assert info.value.code == 2
     assert words in capsys.readouterr().err

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fold
-from fold.spec.tree import tree_mask
+from fold.spec_decode.tree import tree_mask
 from reference import tree_attention_ref
 from tests.helpers import Case, HostReads, assert_close, kwargs_of, make_inputs, reference_pair, to_pages
 
@@ -148,7 +148,7 @@ def test_compiled_tree_attention_and_paged_read():
 
 
 def test_the_ops_are_registered_custom_ops():
-    import fold.ops  # noqa: F401  (registered on import; fold.attention imports it at its first call)
+    import fold.ops  # noqa: F401  (registered on import; fold.fold_attention imports it at its first call)
 
     assert hasattr(torch.ops.fold, "attention") and hasattr(torch.ops.fold, "tree_attention")
     q, k, v, seqlens = make_inputs(CASE, pad=0.0)

@@ -6,7 +6,7 @@ import torch
 
 import fold
 from reference import fold_attention_ref, tree_attention_ref
-from fold.spec.tree import tree_mask
+from fold.spec_decode.tree import tree_mask
 from tests.helpers import Case, assert_close, kwargs_of, make_inputs, reference_pair
 
 BACKENDS = ["torch", "triton"]

@@ -1,4 +1,4 @@
-"""What fold launches on an H200, compiled for sm_90 on this CPU (``python -m tuning inspect``): no
+"""What fold launches on an H200, compiled for sm_90 on this CPU (``python -m tools.static_report``): no
 register spills for the drafter shapes with 1, 2, 4 and 8 KV heads at batch 1 up to 256K (where the
 split model picks up to 128 splits, so stage 2 merges up to 256 states a row), two CTAs per SM for
 the 4-warp stage-1 kernels, and at least the occupancy the split model assumes.
@@ -14,14 +14,14 @@ import sys
 import pytest
 
 from fold import config_lookup
-from tuning import static_report
+from tools import static_report
 from tuning.workloads import DRAFTERS
 
 LENGTHS = ("8192", "32768", "131072", "262144")
 HEADS_KV = ("1", "2", "4", "8")
 CONTROL = """
 import json
-from tuning.static_report import stage1_spills
+from tools.static_report import stage1_spills
 from tuning.workloads import DRAFTERS
 from fold.config_lookup import heuristic_tile
 shape = DRAFTERS["llama3.1-8b"]

@@ -9,7 +9,7 @@ import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig
 from reference import tree_attention_ref
-from fold.spec.tree import tree_mask  # node i sees its ancestors and itself
+from fold.spec_decode.tree import tree_mask  # node i sees its ancestors and itself
 from reference.tolerance import check_close
 from tests.helpers import INTERPRETED
 

@@ -1,5 +1,5 @@
-"""The GPU script's CPU paths (``tuning/gpu_check.py``: arguments, plan, the precompile it starts
-with, the table it ends with) and ``python -m tuning inspect``'s own arguments, so a lent GPU's
+"""The GPU script's CPU paths (``tools/gpu_check.py``: arguments, plan, the precompile it starts
+with, the table it ends with) and ``python -m tools.static_report``'s own arguments, so a lent GPU's
 minutes are not lost to a bug that a CPU can find."""
 
 import json
@@ -10,8 +10,7 @@ import pytest
 
 from fold.config_lookup import heuristic_tile
 from fold.kernels.fold_attention import SPACE
-from tuning import gpu_check, static_report
-from tuning.__main__ import main as tuning_main
+from tools import gpu_check, static_report
 
 
 def test_dry_run_prints_the_plan(capsys):
@@ -69,7 +68,7 @@ def test_the_precompile_compiles_a_tile_for_sm90_without_a_gpu(tmp_path):
     code = f"""
 import json
 from types import SimpleNamespace
-from tuning import gpu_check
+from tools import gpu_check
 tile = (64, 64, 4, 2)
 gpu_check.kept_tiles = lambda rows, head_dim: [tile]          # one tile for the tuning classes too
 res = gpu_check.precompile([tile], gpu_check.drafter_classes(["llama3.1-8b"], layouts=(True,)),
@@ -86,13 +85,13 @@ print(json.dumps(res))
 
 
 def test_inspect_refuses_to_run_under_the_interpreter(capsys):
-    assert tuning_main(["inspect", "--drafters", "llama3.1-8b"]) == 2      # the test session interprets
+    assert static_report.main(["--drafters", "llama3.1-8b"]) == 2      # the test session interprets
     assert "TRITON_INTERPRET=1 is set" in capsys.readouterr().err
 
 
 def test_inspect_rejects_an_unknown_drafter(capsys):
     with pytest.raises(SystemExit):
-        tuning_main(["inspect", "--drafters", "gpt2"])
+        static_report.main(["--drafters", "gpt2"])
     assert "invalid choice" in capsys.readouterr().err
 
 
@@ -108,8 +107,8 @@ def test_the_tuned_read_section_restores_fold_tuning_dir(monkeypatch, tmp_path, 
 
 
 def test_bench_verify_runs_on_small_shapes(capsys):
-    """tuning/bench_verify.py end to end on small shapes (a benchmark: only that it runs and reports)."""
-    from tuning import bench_verify
+    """benchmarks/bench_verify.py end to end on small shapes (a benchmark: only that it runs and reports)."""
+    from benchmarks import bench_verify
 
     bench_verify.main(["--lengths", "64", "--rows", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
                        "--vocab", "50", "--hidden", "16", "--repeats", "2"])
@@ -118,7 +117,7 @@ def test_bench_verify_runs_on_small_shapes(capsys):
 
 
 def test_bench_vllm_keeps_code_and_the_retrieval_prompts_the_target_answers():
-    from tuning import bench_vllm
+    from benchmarks import bench_vllm
 
     items = [("code", 8, [1], None), ("retrieval", 8, [2], [5, 6]), ("retrieval", 8, [3], [5, 7]),
              ("retrieval", 8, [4], [9]), ("retrieval", 16, [5], [1]), ("code", 16, [6], None)]

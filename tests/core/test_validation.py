@@ -131,17 +131,17 @@ def test_other_public_entry_points_name_the_bad_argument(call, error, words):
     (dict(groups=[[1.0, 2.0]], n_resamples=0), ValueError, "n_resamples must be a positive int"),
 ])
 def test_bootstrap_ci_checks_its_arguments(kwargs, error, words):
-    from fold import spec
+    from fold import spec_decode
 
     with pytest.raises(error, match=words):
-        spec.bootstrap_ci(**kwargs)
+        spec_decode.bootstrap_ci(**kwargs)
 
 
 def test_speedup_needs_the_same_sequences():
-    from fold import spec
-    from fold.spec.generate import GenerateResult
+    from fold import spec_decode
+    from fold.spec_decode.generate import GenerateResult
 
     one = GenerateResult(torch.zeros(1, 1), 1.0, dict(per_sequence=[dict(tpot_s=1.0)]))
     two = GenerateResult(torch.zeros(2, 1), 1.0, dict(per_sequence=[dict(tpot_s=1.0)] * 2))
     with pytest.raises(ValueError, match="the same sequences"):
-        spec.per_sequence_speedup(one, two)
+        spec_decode.per_sequence_speedup(one, two)

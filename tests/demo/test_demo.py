@@ -10,12 +10,12 @@ import torch
 import transformers
 
 import fold.demo
-from fold import spec
+from fold import spec_decode
 from fold.demo import cli, data
-from fold.spec.policies import BUILT
+from fold.spec_decode.policies import BUILT
 from reference import apply_rope, rope_attention_ref
 from reference.tolerance import check_close
-from tests.spec_fixtures import greedy_ar, padded_batch
+from tests.spec_decode_fixtures import greedy_ar, padded_batch
 
 # results.json keeps tau, its interval and the per-prompt taus to 4 decimals: a mean or a bootstrap
 # quantile recomputed from the rounded taus moves by at most 5e-5, and rounding it again by 5e-5 more
@@ -62,7 +62,7 @@ def test_shipped_pair_is_lossless_on_every_policy(pair, held_ids, policy):
                torch.tensor(data.retrieval_prompt(rng, tokenizer, 400, 200)[0])]
     ids, mask = padded_batch(prompts)
     opts = cli.policy_options(policy, window=32, alpha=2.0, train_len=64)     # long-context paths at ~350 tokens
-    out = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy=policy, **opts)
+    out = spec_decode.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy=policy, **opts)
     for b, p in enumerate(prompts):
         expected = greedy_ar(target, p, 12)
         assert torch.equal(out.sequences[b, :len(expected)], expected), f"row {b} differs from the target's greedy"
@@ -71,7 +71,7 @@ def test_shipped_pair_is_lossless_on_every_policy(pair, held_ids, policy):
 def test_anchor_offset_drafter_is_lossless(pair):
     target, _, anchor, tokenizer = pair
     prompt = torch.tensor(data.retrieval_prompt(random.Random(1), tokenizer, 500, 250)[0])
-    out = spec.generate(target, anchor, prompt[None], max_new_tokens=16, policy="dflash")
+    out = spec_decode.generate(target, anchor, prompt[None], max_new_tokens=16, policy="dflash")
     assert torch.equal(out.sequences[0], greedy_ar(target, prompt, 16))
 
 
@@ -80,7 +80,7 @@ def test_shipped_drafter_copies_from_far_back_only_through_the_far_memory(pair):
     target, drafter, _, tokenizer = pair
     prompt, answer = data.retrieval_prompt(random.Random(5), tokenizer, 1024, 700)
     ids = torch.tensor([prompt])
-    taus = {policy: spec.generate(target, drafter, ids, max_new_tokens=len(answer), policy=policy, window=128).tau
+    taus = {policy: spec_decode.generate(target, drafter, ids, max_new_tokens=len(answer), policy=policy, window=128).tau
             for policy in ("window", "fold")}
     assert taus["fold"] >= taus["window"] + 1.0, taus
 
@@ -88,7 +88,7 @@ def test_shipped_drafter_copies_from_far_back_only_through_the_far_memory(pair):
 def test_tree_verification_is_refused_for_the_toy_target(pair):
     target, drafter, _, tokenizer = pair
     with pytest.raises(ValueError, match="AttentionInterface"):
-        spec.generate(target, drafter, torch.tensor([data.encode(tokenizer, "def f(x):\n")]), max_new_tokens=4,
+        spec_decode.generate(target, drafter, torch.tensor([data.encode(tokenizer, "def f(x):\n")]), max_new_tokens=4,
                       tree=(2, 2))
 
 
@@ -114,7 +114,7 @@ def test_reduced_demo_runs_and_reports(tmp_path, capsys):
                                                             for f in cli.SHIFT_FACTORS}
     assert all(r["lossless"] for r in records)
     for r in records:      # tau is the mean of the per-prompt taus, its interval their bootstrap's
-        _, low, high = spec.bootstrap_ci([r["taus"]])
+        _, low, high = spec_decode.bootstrap_ci([r["taus"]])
         assert r["tau"] == pytest.approx(statistics.mean(r["taus"]), abs=ROUNDED)
         assert r["tau_ci"] == pytest.approx([low, high], abs=ROUNDED)
     assert (tmp_path / "tau_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -146,11 +146,11 @@ def test_rows_run_interleaved_and_tpot_is_the_median_of_repeats():
     rows = [cli.Row("AR", runner("AR")), cli.Row("a", runner("a")), cli.Row("b", runner("b", differs=True))]
     cli.measure_cell(rows, torch.tensor([[10], [20]]), 4, repeats=3)
     assert calls == [(n, p) for p in (10, 20) for _ in range(3) for n in ("AR", "a", "b")]
-    records = {r["policy"]: r for r in cli._cell_records("code", 1, rows)}
+    records = {r["policy"]: r for r in cli.cell_records("code", 1, rows)}
     assert records["a"]["tpot_ms_per_prompt"] == [2000.0, 2000.0]            # medians of (1, 2, 30) and (2, 2, 2)
     assert records["AR"]["tpot_ms_per_prompt"] == [5000.0, 4000.0]
     assert records["a"]["speedup"] == (5 / 2 + 4 / 2) / 2                  # AR's median TPOT over a's, per prompt
-    assert records["a"]["speedup_ci"] == [round(x, 4) for x in spec.bootstrap_ci([[5 / 2, 4 / 2]])[1:]]
+    assert records["a"]["speedup_ci"] == [round(x, 4) for x in spec_decode.bootstrap_ci([[5 / 2, 4 / 2]])[1:]]
     assert records["a"]["lossless"] and not records["b"]["lossless"]
 
 
@@ -173,7 +173,7 @@ def test_retrieval_cells_measure_only_prompts_the_target_answers():
     assert calls == [("AR", 10), ("a", 10), ("AR", 10), ("a", 10), ("AR", 20),
                      ("AR", 30), ("a", 30), ("AR", 30), ("a", 30)]
     assert len(rows[0].taus) == len(rows[1].taus) == 2 and [len(t) for t in rows[1].tpots] == [2, 2]
-    records = cli._cell_records("retrieval", 1, rows)
+    records = cli.cell_records("retrieval", 1, rows)
     for rec in records:
         rec.update(prompts_drawn=tried, prompts_answered=2)
     assert "answered/drawn: 1: 2/3" in cli.format_table(records)
@@ -183,8 +183,8 @@ def test_retrieval_cells_measure_only_prompts_the_target_answers():
 
 def test_draft_cutoff_reaches_every_drafter_row(monkeypatch):
     seen = []
-    monkeypatch.setattr(spec, "generate", lambda *a, **k: seen.append((k["policy"], k["draft_cutoff"])))
-    monkeypatch.setattr(spec, "autoregressive", lambda *a, **k: seen.append(("AR", None)))
+    monkeypatch.setattr(spec_decode, "generate", lambda *a, **k: seen.append((k["policy"], k["draft_cutoff"])))
+    monkeypatch.setattr(spec_decode, "autoregressive", lambda *a, **k: seen.append(("AR", None)))
     rows = cli.make_rows("target", "drafter", "anchor", ["dflash", "fold", cli.ANCHOR_ROW], 64, 2.0, 256,
                          draft_cutoff=0.4)
     for row in rows:
@@ -192,11 +192,37 @@ def test_draft_cutoff_reaches_every_drafter_row(monkeypatch):
     assert seen == [("AR", None), ("dflash", 0.4), ("fold", 0.4), ("dflash", 0.4)]
 
 
+def test_a_row_runs_the_policy_a_script_gives_it(monkeypatch):
+    """make_rows' ``policies`` hook: the named row runs the given policy with no options of its own."""
+    seen = []
+    monkeypatch.setattr(spec_decode, "generate", lambda *a, **k: seen.append(
+        (k["policy"], k.get("far_budget"), k.get("window"))))
+    monkeypatch.setattr(spec_decode, "autoregressive", lambda *a, **k: None)
+    mine = lambda request: None  # noqa: E731
+    rows = cli.make_rows("target", "drafter", "anchor", ["fold", cli.BUDGET_ROW], 64, 2.0, 256, far_budget=512,
+                         policies={cli.BUDGET_ROW: mine})
+    for row in rows:
+        row.run(torch.zeros(1, 4, dtype=torch.long), 2)
+    assert seen == [("fold", None, 64), (mine, None, None)]
+
+
+def test_the_far_budget_diagnostic_watches_the_read_through_a_policy(capsys):
+    """benchmarks/far_budget_diagnose.py --check on the toy pair: its watching policy sees the drafter's far
+    reads (through fold.spec_decode's public Read, no method replaced) and FOLD's class is untouched."""
+    from benchmarks import far_budget_diagnose
+    from fold.spec_decode import policies
+
+    call = policies.FoldRead.__call__
+    far_budget_diagnose.main(["--check", "--lengths", "400", "--page", "16", "--budget", "64", "--window", "64"])
+    reads = int(capsys.readouterr().out.split(" reads,")[0].split()[-1])
+    assert reads > 0 and policies.FoldRead.__call__ is call
+
+
 def test_the_budget_row_is_fold_with_its_far_budget(monkeypatch):
     seen = []
-    monkeypatch.setattr(spec, "generate", lambda *a, **k: seen.append(
+    monkeypatch.setattr(spec_decode, "generate", lambda *a, **k: seen.append(
         (k["policy"], k.get("far_budget"), k.get("far_page"), k.get("window"))))
-    monkeypatch.setattr(spec, "autoregressive", lambda *a, **k: None)
+    monkeypatch.setattr(spec_decode, "autoregressive", lambda *a, **k: None)
     rows = cli.make_rows("target", "drafter", "anchor", ["fold", cli.BUDGET_ROW], 64, 2.0, 256, far_budget=512,
                          far_page=32)
     for row in rows:
@@ -214,10 +240,10 @@ def test_the_budget_row_is_paired_against_fold():
         row = cli.Row(name, None)
         row.taus, row.tpots = values, [[1.0]] * 3
         rows.append(row)
-    records = {r["policy"]: r for r in cli._cell_records("code", 4096, rows)}
+    records = {r["policy"]: r for r in cli.cell_records("code", 4096, rows)}
     budget = records[cli.BUDGET_ROW]
     assert budget["tau_minus_fold"] == pytest.approx(-1 / 3, abs=ROUNDED)
-    assert budget["tau_minus_fold_ci"] == [round(x, 4) for x in spec.bootstrap_ci([[0.0, -0.5, -0.5]])[1:]]
+    assert budget["tau_minus_fold_ci"] == [round(x, 4) for x in spec_decode.bootstrap_ci([[0.0, -0.5, -0.5]])[1:]]
     assert all("tau_minus_fold" not in r for name, r in records.items() if name != cli.BUDGET_ROW)
     table = cli.format_table(list(records.values()))
     assert "tau - FOLD (paired; the far budget's cost)" in table and "fold-budget" in table
@@ -244,7 +270,7 @@ def test_the_shipped_pair_is_lossless_with_a_far_budget(pair, held_ids):
                torch.tensor(data.retrieval_prompt(rng, tokenizer, 400, 200)[0])]
     ids, mask = padded_batch(prompts)
     opts = cli.policy_options(cli.BUDGET_ROW, window=32, alpha=2.0, train_len=64, far_budget=64, far_page=16)
-    out = spec.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy="fold", **opts)
+    out = spec_decode.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy="fold", **opts)
     for b, p in enumerate(prompts):
         expected = greedy_ar(target, p, 12)
         assert torch.equal(out.sequences[b, :len(expected)], expected), f"row {b} differs from the target's greedy"

@@ -5,8 +5,6 @@ and the held-out prompts store their value far back and ask for it at the end.""
 import json
 import random
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ import transformers
 
 from fold.demo import data, real
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
 NEUTRAL = ("parser", "token", "buffer", "value", "method", "object", "returns", "reads", "writes", "calls", "list",
@@ -239,7 +236,7 @@ def test_held_out_forms_with_the_real_tokenizer(form):
 
 @pytest.fixture(scope="module")
 def tiny_target(tokenizer, tmp_path_factory):
-    from tests.spec_fixtures import make_target
+    from tests.spec_decode_fixtures import make_target
 
     return make_target("llama", tmp_path_factory.mktemp("target"), vocab=len(tokenizer))
 
@@ -251,7 +248,7 @@ def fake_real_target(monkeypatch, tiny_target, tokenizer):
 
 
 def _extract(cache, stdlib, form, shards, seq_len=64):
-    import train_real_drafter
+    from examples import train_real_drafter
 
     train_real_drafter.main(["extract", "--form", form, "--cache", str(cache), "--max-shards", str(shards),
                              "--seq-len", str(seq_len), "--shard-size", "2", "--batch", "2", "--taps", "0", "2",
@@ -260,7 +257,7 @@ def _extract(cache, stdlib, form, shards, seq_len=64):
 
 
 def test_extract_caches_one_form_per_folder_resumably(fake_real_target, stdlib, tmp_path, monkeypatch):
-    import train_real_drafter
+    from examples import train_real_drafter
     from safetensors.torch import load_file
 
     meta = _extract(tmp_path / "a", stdlib, "strings", 1, 256)
@@ -294,7 +291,7 @@ def _fake_cache(path, rows_per_shard, token):
 
 
 def test_cache_weights_choose_each_row_s_cache(tmp_path):
-    import train_real_drafter
+    from examples import train_real_drafter
 
     caches = [_fake_cache(tmp_path / "a", [3], 1), _fake_cache(tmp_path / "b", [2, 2], 2), _fake_cache(tmp_path / "c", [], 3)]
     pool = train_real_drafter.CachedFeatures(caches, [0], hidden=4)
@@ -315,7 +312,7 @@ def test_cache_weights_choose_each_row_s_cache(tmp_path):
 @pytest.mark.parametrize("weights, words", [(["1"], "one weight >= 0 per --cache (2)"), (["1", "-1"], "got [1.0, -1.0]"),
                                             (["0", "0"], "not all 0"), (["1", "inf"], "got [1.0, inf]")])
 def test_train_refuses_bad_cache_weights(weights, words, tmp_path, capsys):
-    import train_real_drafter
+    from examples import train_real_drafter
 
     for c in ("a", "b"):
         (tmp_path / c).mkdir()
@@ -329,8 +326,8 @@ def test_train_refuses_bad_cache_weights(weights, words, tmp_path, capsys):
 def test_a_sitting_over_weighted_form_caches_is_logged(fake_real_target, stdlib, tokenizer, tmp_path, capsys):
     """Two form caches, weighted 0.7 / 0.3: two steps, the sitting's log names each cache's form, size and
     weight, and inspect_real_features.py's copy split reads the new shards."""
-    import inspect_real_features
-    import train_real_drafter
+    from examples import inspect_real_features
+    from examples import train_real_drafter
 
     for form in ("strings", "chat"):
         _extract(tmp_path / form, stdlib, form, 1)
@@ -412,7 +409,7 @@ def test_held_out_tasks_need_the_held_out_text_and_the_real_pair(tokenizer, caps
 
 def test_train_refuses_a_cache_made_before_forms(fake_real_target, stdlib, tmp_path):
     """An old cache (--mix / --planted, whose planted lines drew PLANT_WORDS) is refused before any step."""
-    import train_real_drafter
+    from examples import train_real_drafter
 
     _extract(tmp_path / "new", stdlib, "code", 1)
     old = _fake_cache(tmp_path / "old", [2], 1)
@@ -424,7 +421,7 @@ def test_train_refuses_a_cache_made_before_forms(fake_real_target, stdlib, tmp_p
 
 
 def test_a_fresh_optimizer_warms_up_again_after_resuming_from_weights():
-    import train_real_drafter
+    from examples import train_real_drafter
 
     schedule = train_real_drafter.Schedule(lr=1e-3, min_lr=0.1, warmup=30, start=0, total=20000)
     full = schedule.at(10000)                                                  # a checkpoint's optimizer: no warm-up

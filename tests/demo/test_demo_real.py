@@ -1,18 +1,15 @@
 """The real pair (``fold-demo --real``): what can be checked without the 500 MB target, and, when the
 converted target is present (``python -m fold.demo.real``), a random drafter of its geometry through
-fold.spec. Nothing here downloads or converts anything."""
+fold.spec_decode. Nothing here downloads or converts anything."""
 
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from fold.demo import cli, data, real
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
 HAVE_TARGET = real.is_converted(real.default_target_dir())
 needs_target = pytest.mark.skipif(not HAVE_TARGET, reason="the real target is not converted here "
@@ -104,13 +101,13 @@ def test_shipped_real_drafter_is_small_and_trained_short():
 @pytest.fixture(scope="module")
 def real_target_and_random_drafter(tmp_path_factory):
     """The converted target and a random z-lab drafter of the shipped one's geometry (9/3 heads of
-    64, mask 49151, 5 taps, block 8), written and loaded back through ``spec.load_drafter``."""
+    64, mask 49151, 5 taps, block 8), written and loaded back through ``spec_decode.load_drafter``."""
     from argparse import Namespace
 
-    import train_real_drafter
-    from fold import spec
-    from fold.spec.drafter import Drafter
-    from fold.spec.loading import read_config
+    from examples import train_real_drafter
+    from fold import spec_decode
+    from fold.spec_decode.drafter import Drafter
+    from fold.spec_decode.loading import read_config
     from safetensors.torch import save_file
 
     path = tmp_path_factory.mktemp("drafter")
@@ -122,7 +119,7 @@ def real_target_and_random_drafter(tmp_path_factory):
     torch.manual_seed(0)
     module = Drafter(read_config(path, target.config))
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path / "model.safetensors"))
-    return target, spec.load_drafter(path, target)
+    return target, spec_decode.load_drafter(path, target)
 
 
 @needs_target
@@ -130,12 +127,12 @@ def test_random_drafter_of_the_real_geometry_is_lossless(real_target_and_random_
     """A random drafter drafts nearly nothing right, so almost every token goes through a rejection:
     each policy's output must still be the target's greedy output (the prompt is longer than the window,
     so fold and window read past it)."""
-    from fold import spec
+    from fold import spec_decode
 
     target, drafter = real_target_and_random_drafter
     ids = torch.randint(3, 49000, (1, 96), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ar = spec.autoregressive(target, ids, max_new_tokens=4)
+        ar = spec_decode.autoregressive(target, ids, max_new_tokens=4)
         for policy, options in (("fold", dict(window=32, alpha=2.0)), ("dflash", {}), ("window", dict(window=32))):
-            res = spec.generate(target, drafter, ids, max_new_tokens=4, policy=policy, **options)
+            res = spec_decode.generate(target, drafter, ids, max_new_tokens=4, policy=policy, **options)
             assert torch.equal(res.sequences, ar.sequences), policy

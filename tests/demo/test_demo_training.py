@@ -4,9 +4,7 @@ import copy
 import json
 import math
 import random
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +12,12 @@ import transformers
 
 import fold.demo
 from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
-from fold.spec import load_drafter
+from fold.spec_decode import load_drafter
 from reference.tolerance import check_close
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-import drafter_init  # noqa: E402
-import train_drafter  # noqa: E402
-import train_target  # noqa: E402
+from examples import drafter_init
+from examples import train_drafter
+from examples import train_target
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +218,8 @@ def test_copy_circuit_copies_at_init(tiny_stdlib, tmp_path):
                                      "--heads", "4", "--taps", "1", "--block-size", "4"])
     args.out.mkdir()
     (args.out / "config.json").write_text(json.dumps(train_drafter.drafter_config(target.config, args)))
-    from fold.spec.drafter import Drafter
-    from fold.spec.loading import read_config
+    from fold.spec_decode.drafter import Drafter
+    from fold.spec_decode.loading import read_config
 
     drafter = Drafter(read_config(args.out, target.config))
     drafter.bind(target)
@@ -241,12 +238,12 @@ def test_copy_circuit_copies_at_init(tiny_stdlib, tmp_path):
 
 @pytest.mark.parametrize("script, args, words", [
     ("target", ["--mix", "0.5", "0.5", "0.5", "0"], "--mix takes 4 shares >= 0 summing to 1"),
-    ("target", ["--max-steps", "0"], "--max-steps: must be > 0"),
-    ("target", ["--seq-len", "-3"], "--seq-len: must be > 0"),
+    ("target", ["--max-steps", "0"], "--max-steps: must be a positive int"),
+    ("target", ["--seq-len", "-3"], "--seq-len: must be a positive int"),
     ("target", ["--vocab", "100"], "--vocab must be >= 300"),
     ("target", ["--device", "cuda:x"], "--device"),
     ("target", ["--channel-lags", "40"], "must be under half of --hidden"),
-    ("drafter", ["--batch", "0"], "--batch: must be > 0"),
+    ("drafter", ["--batch", "0"], "--batch: must be a positive int"),
     ("drafter", ["--blocks", "400"], "do not fit"),
     ("drafter", ["--heads", "3"], "--heads must be even"),
     ("drafter", ["--copy-anchors", "2"], "--copy-anchors in [0, 1]"),

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.spec_fixtures import VOCAB, make_drafter, make_target
+from tests.spec_decode_fixtures import VOCAB, make_drafter, make_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 def _save_word_tokenizer(path):
@@ -20,7 +19,7 @@ def _save_word_tokenizer(path):
 
 
 def test_generate_example_is_lossless_against_ar(tmp_path, capsys):
-    import generate
+    from examples import generate
 
     target = make_target("qwen3", tmp_path / "target")
     _save_word_tokenizer(tmp_path / "target")
@@ -35,7 +34,7 @@ def test_generate_example_is_lossless_against_ar(tmp_path, capsys):
 
 
 def test_fold_vs_attention_example_runs(capsys):
-    import fold_vs_attention
+    from examples import fold_vs_attention
 
     fold_vs_attention.main(["--lengths", "600", "--repeats", "1", "--drafter", "qwen3-8b-b7", "--keys-rotated"])
     out = capsys.readouterr().out
@@ -46,7 +45,7 @@ def test_fold_vs_attention_example_runs(capsys):
                                          (["--lengths", "5"], "--lengths must be >= the block's n_q=10"),
                                          (["--alpha", "0.5"], "--alpha must lie in [1, 10000]")])
 def test_fold_vs_attention_rejects_bad_options(args, words, capsys):
-    import fold_vs_attention
+    from examples import fold_vs_attention
 
     with pytest.raises(SystemExit):
         fold_vs_attention.main(args)
@@ -55,7 +54,7 @@ def test_fold_vs_attention_rejects_bad_options(args, words, capsys):
 
 def test_generate_example_runs_on_the_shipped_pair_with_its_tokenizer(tmp_path, capsys):
     import fold.demo
-    import generate
+    from examples import generate
 
     prompt = tmp_path / "prompt.py"
     prompt.write_text((Path(generate.__file__)).read_text()[:700])
@@ -90,7 +89,7 @@ def _target_without_tokenizer(tmp_path):
 def test_generate_example_rejects_bad_options(tmp_path, capsys, extra, words):
     """A usage error (argparse's exit 2) or, for what only the library checks, one line and exit code 2."""
     import fold.demo
-    import generate
+    from examples import generate
 
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):\n")
@@ -106,7 +105,7 @@ def test_generate_example_rejects_bad_options(tmp_path, capsys, extra, words):
 
 def test_generate_example_rejects_missing_files(tmp_path, capsys):
     import fold.demo
-    import generate
+    from examples import generate
 
     (tmp_path / "empty.txt").write_text("  \n")
     for args, words in ((["--prompt-file", str(tmp_path / "none.txt")], "does not exist"),
@@ -121,7 +120,7 @@ def test_generate_example_rejects_missing_files(tmp_path, capsys):
 
 
 def test_engine_cache_example_matches_the_reference(capsys):
-    import engine_cache
+    from examples import engine_cache
 
     assert engine_cache.main(["--lengths", "300", "9", "--page-size", "7", "--window", "32", "--n-q", "4",
                               "--head-dim", "32"]) == 0
@@ -146,7 +145,7 @@ def test_generate_example_prints_a_usage_error_before_importing_torch(tmp_path):
 
 
 def test_generate_example_names_a_swapped_pair_without_a_traceback(tmp_path, capsys):
-    import generate
+    from examples import generate
 
     target = make_target("qwen3", tmp_path / "target")
     make_drafter(tmp_path / "drafter", target, "zlab")
@@ -162,8 +161,8 @@ def test_generate_example_names_a_swapped_pair_without_a_traceback(tmp_path, cap
 
 
 def test_generate_example_takes_a_window_of_zero_as_the_library_does(tmp_path):
-    import generate
-    from fold import spec
+    from examples import generate
+    from fold import spec_decode
 
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("w1 w2")
@@ -172,7 +171,7 @@ def test_generate_example_takes_a_window_of_zero_as_the_library_does(tmp_path):
     args = generate.parse_args(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "t"), "--prompt-file",
                                 str(prompt), "--window", "0", "--tokenizer", "bytes"])
     assert args.window == 0
-    assert set(generate.POLICY_OPTIONS) == set(spec.POLICIES)
+    assert set(generate.POLICY_OPTIONS) == set(spec_decode.POLICIES)
     with pytest.raises(SystemExit):
         generate.parse_args(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "t"), "--prompt-file",
                              str(prompt), "--window", "-1"])

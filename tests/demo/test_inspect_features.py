@@ -1,13 +1,10 @@
 """examples/inspect_real_features.py: the lag probe and the copy split, on data whose answers are known."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-import inspect_real_features as inspect_features  # noqa: E402
+from examples import inspect_real_features as inspect_features
 
 
 def test_lag_probe_reads_exactly_the_lags_the_features_hold():

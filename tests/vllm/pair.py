@@ -6,7 +6,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from tests.spec_fixtures import drafter_backbone
+from tests.spec_decode_fixtures import drafter_backbone
 
 VOCAB = 256
 HIDDEN = 128

@@ -138,19 +138,20 @@ def test_the_engine_config_check_holds_far_pages_to_the_cache_blocks():
 
 
 def test_every_vllm_name_fold_uses_is_in_the_installed_vllm():
-    """tuning/check_vllm_names.py (no vLLM import) on the installed tree: nothing missing or unbindable."""
+    """tools/check_vllm_names.py (no vLLM import) on the installed tree: nothing missing or unbindable."""
     import vllm
 
     site = Path(vllm.__file__).parent.parent
-    done = subprocess.run([sys.executable, str(ROOT / "tuning" / "check_vllm_names.py"), str(site)],
+    done = subprocess.run([sys.executable, "-m", "tools.check_vllm_names", str(site)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:]
 
 
-def test_the_serving_example_runs_with_vllms_defaults():
-    """README's example as written: vLLM's own dtype (bfloat16 for this float32 checkpoint) and its
-    compiled mode, a tiny pair the script writes."""
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_vllm.py"), "--new-tokens", "8"],
+def test_the_serving_example_runs_with_vllms_defaults(pairs):
+    """docs/vllm.md's example as written: vLLM's own dtype (bfloat16 for this float32 checkpoint) and
+    its compiled mode, on the tiny pair."""
+    done = subprocess.run([sys.executable, "-m", "examples.serve_vllm", "--target", str(pairs["plain"]),
+                           "--drafter", str(pairs["drafter"]), "--new-tokens", "8"],
                           capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()

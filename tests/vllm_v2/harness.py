@@ -36,6 +36,15 @@ from tests.vllm.pair import make_drafter, make_target
 
 K = 3                       # num_speculative_tokens: blocks of 1 + K query rows
 BLOCK = 16                  # the cache's block size (tokens per page)
+SMALL_W = 8                 # a fold window shorter than every context: most entries are far memory
+# the short schedule the speculator, FP8 and TP tests share: a prefill of two requests, then verifies
+# rejecting some, all and none of the drafts
+SHORT_PROMPTS = {0: list(range(3, 30)), 1: [5 + (7 * i) % 200 for i in range(14)]}
+SHORT_SCHEDULE = [
+    [(0, SHORT_PROMPTS[0]), (1, SHORT_PROMPTS[1])],
+    [(0, 1), (1, K)],
+    [(0, 0), (1, 2)],
+]
 STOCK_BACKEND = "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
 
 WORKAROUNDS = {
@@ -56,6 +65,11 @@ WORKAROUNDS = {
                     "import chain needs compressed_tensors, which the venv lacks",
     "config": "compilation_config custom_ops=['none'] and enforce_eager=True (config, not a patch): custom ops "
               "would dispatch to forward_cuda",
+    "target_layers": "Speculator(drop_target_layers=True), the Gemma-4 DSpark run only: the target's layers leave "
+                     "the forward context before the drafter loads, since Gemma4DSparkModel names its layers "
+                     "model.layers.<i> (no offset), as the tiny Qwen3 target does (Attention raises 'Duplicate layer "
+                     "name'); a Gemma-4 target's are language_model.model.layers.<i>, and the target never runs "
+                     "through vLLM in the harness",
 }
 
 
@@ -125,20 +139,26 @@ def patched(omit=()):
             fn.cache_clear()
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
-def distributed():
-    """A one-rank gloo world with model parallel (1, 1) (what get_model, the parallel layers and
-    CudaGraphManager's get_pp_group need), torn down afterwards."""
+def distributed(world_size=1, rank=0, port=None):
+    """A gloo world of ``world_size`` ranks (this process ``rank``) with tensor parallel ``world_size``,
+    pipeline 1 (what get_model, the parallel layers and CudaGraphManager's get_pp_group need), torn
+    down afterwards; ``port``: the rendezvous, shared by the ranks (a free one for one rank)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port() if port is None else port
     with set_current_vllm_config(VllmConfig()):       # initialize_model_parallel reads the parallel config
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+        ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ps.ensure_model_parallel_initialized(1, 1, backend="gloo")
+        ps.ensure_model_parallel_initialized(world_size, 1, backend="gloo")
     try:
         yield
     finally:
@@ -161,25 +181,39 @@ def with_block(pair: dict, name: str, **block) -> Path:
     return fold.vllm.configure(pair["drafter"], pair["root"] / name, **block)
 
 
+def fold_pair(v2_process, folder: Path) -> dict:
+    """``v2_process``'s tiny pair in ``folder``, plus ``"fold"``: its drafter reading ``"fold"`` with a
+    window of :data:`SMALL_W` and alpha 2."""
+    pair = v2_process.make_pair(folder)
+    pair["fold"] = with_block(pair, "drafter-fold", read="fold", window=SMALL_W, alpha=2.0)
+    return pair
+
+
 # --- the speculator, set up as GPUModelRunner does ----------------------------------------------------------
 
 def engine_config(target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4,
-                  dtype="float32"):
+                  dtype="float32", method="dflash", tp=1, **speculative):
+    """The engine's config for the pair (``method``: vLLM's speculative method, ``tp``: the tensor-parallel
+    size, ``speculative``: more ``speculative_config`` fields, e.g. ``kv_cache_dtype``)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                       skip_tokenizer_init=True, seed=0, block_size=BLOCK, num_gpu_blocks_override=num_blocks,
-                      max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=512, tensor_parallel_size=tp,
                       compilation_config={"custom_ops": ["none"]},
-                      speculative_config={"method": "dflash", "model": str(drafter), "num_speculative_tokens": k})
+                      speculative_config={"method": method, "model": str(drafter), "num_speculative_tokens": k,
+                                          **speculative})
     return args.create_engine_config()
 
 
 class Speculator:
-    """One ``DFlashSpeculator`` with its own config, target, KV cache and block tables (CPU)."""
+    """One V2 speculator (the class vLLM's ``init_speculator`` picks for the drafter: ``DFlashSpeculator``
+    or a subclass, DSpark, XPress, DFlash 2, LiLiCorr) with its own config, target, KV cache and block
+    tables (CPU); ``method`` and ``speculative`` as :func:`engine_config` takes them; ``drop_target_layers``:
+    :data:`WORKAROUNDS` ``["target_layers"]``."""
 
     def __init__(self, target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4,
-                 dtype="float32"):
+                 dtype="float32", method="dflash", drop_target_layers=False, **speculative):
         from vllm.config import set_current_vllm_config
         from vllm.config.compilation import CUDAGraphMode
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -189,18 +223,21 @@ class Speculator:
         from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_kv_cache
         from vllm.v1.worker.gpu.block_table import BlockTables
         from vllm.v1.worker.gpu.input_batch import InputBuffers
-        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+        from vllm.v1.worker.gpu.spec_decode import init_speculator
 
         self.k, self.device = k, torch.device("cpu")
         self.config = config = engine_config(target, drafter, k=k, max_model_len=max_model_len,
-                                             num_blocks=num_blocks, max_num_seqs=max_num_seqs, dtype=dtype)
+                                             num_blocks=num_blocks, max_num_seqs=max_num_seqs, dtype=dtype,
+                                             method=method, **speculative)
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_model_len = config.model_config.max_model_len
         with set_current_vllm_config(config):
             # GPUModelRunner.load_model: the target, then the speculator on it (embedding and LM head shared)
             self.target = get_model(vllm_config=config)
-            self.spec = spec = DFlashSpeculator(config, self.device)
+            if drop_target_layers:            # WORKAROUNDS["target_layers"]: the target never runs through vLLM here
+                config.compilation_config.static_forward_context.clear()
+            self.spec = spec = init_speculator(config, self.device, None)       # as the runner picks it
             spec.load_model(self.target)
             # initialize_kv_cache: the layout the engine core resolves, the draft layers' specs and groups
             specs = {name: s for name, s in get_kv_cache_spec(config).items() if name in spec.draft_attn_layer_names}
@@ -219,8 +256,9 @@ class Speculator:
                                            self.device, self.block_sizes, config, block_tables=self.block_tables,
                                            attn_groups=(g for gs in spec.attn_groups for g in gs))
             spec.init_cudagraph_manager(CUDAGraphMode.NONE)
-        for cache in self.kv_caches.values():
-            cache.fill_(float("nan"))     # an entry read before it is written shows up as NaN
+        for cache in self.kv_caches.values():   # an entry read before it is written shows up as NaN
+            # an FP8 cache is a uint8 tensor: 0x7F is NaN in float8_e4m3fn and float8_e5m2 alike
+            cache.fill_(0x7F if cache.dtype == torch.uint8 else float("nan"))
         self.draft_layers = {name: module for name, module in config.compilation_config.static_forward_context.items()
                              if name in spec.draft_attn_layer_names}
         # a free list of physical blocks (0 is vLLM's null block), handed out in a shuffled order
@@ -308,17 +346,23 @@ def run_rounds(speculator: Speculator, target: Target, schedule):
     drafts``, keeps the accepted ones and samples its greedy token after them (acceptance is forced by
     the schedule: random drafts match nothing). Returns per step ``dict(drafts [R, K] int64, logits
     [R * K, vocab] (the drafter's, as its sampler saw them), rows (the batch: state, target positions),
-    rejected, context (each row's committed tokens), bonus)``."""
+    rejected, context (each row's committed tokens), bonus)``; DSpark's and XPress's logits are their base
+    logits, XPress's ``[R * (K + 1), vocab]`` (the anchor row too)."""
     k = speculator.k
     logits_seen = []
-    original = speculator.spec.compute_draft_logits
+    # DFlash samples through the speculator's compute_draft_logits; DSpark and XPress take the base logits
+    # from the drafter model's own (before the Markov bias / the Jacobi refinement)
+    owners = [o for o in (speculator.spec, speculator.spec.model) if hasattr(o, "compute_draft_logits")]
 
-    def recording(hidden_states, spec_step_idx):
-        out = original(hidden_states, spec_step_idx)
-        logits_seen.append(out.detach().clone())
-        return out
+    def recording(original):
+        def compute_draft_logits(*args, **kwargs):
+            out = original(*args, **kwargs)
+            logits_seen.append(out.detach().clone())
+            return out
+        return compute_draft_logits
 
-    speculator.spec.compute_draft_logits = recording          # an instance attribute, removed afterwards
+    for owner in owners:                  # instance attributes, removed afterwards
+        owner.compute_draft_logits = recording(owner.compute_draft_logits)
     requests: dict[int, Request] = {}
     steps = []
     try:
@@ -356,11 +400,13 @@ def run_rounds(speculator: Speculator, target: Target, schedule):
                                         {s: requests[s].bonus for s, _ in rows})
             for (state, _), row in zip(rows, drafts.tolist()):
                 requests[state].drafts = row
-            steps.append(dict(drafts=drafts, logits=torch.cat(logits_seen) if logits_seen else None, rows=rows,
+            logits = torch.cat([x.flatten(0, -2) for x in logits_seen]) if logits_seen else None    # [rows, vocab]
+            steps.append(dict(drafts=drafts, logits=logits, rows=rows,
                               rejected=num_rejected, context=[list(requests[s].tokens) for s, _ in rows],
                               bonus=[requests[s].bonus for s, _ in rows]))
     finally:
-        del speculator.spec.compute_draft_logits
+        for owner in owners:
+            del owner.compute_draft_logits
     return steps
 
 
@@ -392,6 +438,24 @@ def recorded_rounds(speculator: Speculator, target: Target, schedule, keep=keep_
     with Recorder(FoldAttentionImpl, "forward", keep) as calls:
         steps = run_rounds(speculator, target, schedule)
     return dict(speculator=speculator, steps=steps, calls=calls.calls)
+
+
+def tp_rank(rank: int, world_size: int, port: int, target: str, drafter: str, schedule, out: str) -> None:
+    """One rank of a tensor-parallel run, in a process of its own (``torch.multiprocessing.spawn``): the
+    process set up as the ``v2_process`` fixture does (:func:`patched`, ``fold.vllm.register()``), a gloo
+    world of ``world_size`` at ``port``, a :class:`Speculator` with ``tp=world_size`` through ``schedule``
+    (lists only) with every fold call kept; ``torch.save`` s ``dict(steps, calls, heads)`` to
+    ``out/rank<rank>.pt`` (``heads``: per draft layer the impl's ``(num_heads, num_kv_heads)``)."""
+    from tests.vllm.pair import TAPS
+
+    with patched():
+        fold.vllm.register()
+        with distributed(world_size, rank, port):
+            speculator = Speculator(Path(target), Path(drafter), tp=world_size)
+            result = recorded_rounds(speculator, Target(Path(target), TAPS), schedule)
+            heads = {name: (layer.impl.num_heads, layer.impl.num_kv_heads, type(layer.impl).__name__)
+                     for name, layer in speculator.draft_layers.items()}
+    torch.save(dict(steps=result["steps"], calls=result["calls"], heads=heads), Path(out) / f"rank{rank}.pt")
 
 
 def truth(call, upcast):
