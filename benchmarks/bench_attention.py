@@ -4,7 +4,7 @@
     python -m pytest benchmarks/bench_attention.py --benchmark-enable --benchmark-json=b.json
     FOLD_BENCH_LENGTHS=8192,32768,131072,262144 python -m pytest benchmarks/bench_attention.py --benchmark-enable
 
-Every provider reads the same inputs from one setup (``tuning.workloads.make_inputs``); results are
+Every provider reads the same inputs from one setup (``benchmarks.workloads.make_inputs``); results are
 tagged with the device and versions. Compare ratios within one run; absolute CPU times say little.
 Before a provider is timed its output is checked against the float64 reference of what it computes
 (``reference.tolerance``: within twice PyTorch's own error in the dtype), at lengths up to CHECK_LEN.
@@ -16,11 +16,11 @@ import pytest
 import torch
 import triton
 
+from benchmarks.workloads import DRAFTERS, PROVIDERS, flash_available, make_inputs
 import fold
 from fold.spec_decode.tree import tree_mask
 from reference import fold_attention_ref, rope_attention_ref, tree_attention_ref
 from reference.tolerance import check_close
-from tuning.workloads import DRAFTERS, PROVIDERS, flash_available, make_inputs
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

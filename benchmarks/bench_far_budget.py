@@ -22,7 +22,7 @@ listed pages it ranks (``min(candidates, shortlist x 16)`` pages, K only). A ben
 times mean something on this machine only.
 
 Shapes: ``llama3.1-8b``: 32 query / 8 KV heads of 128, ``n_q = 16`` (a block of 16), W = 2048,
-theta 5e5; ``qwen3.5-9b``: ``tuning.workloads.DRAFTERS["qwen3.5-9b"]`` (32 / 8 heads of 128,
+theta 5e5; ``qwen3.5-9b``: ``benchmarks.workloads.DRAFTERS["qwen3.5-9b"]`` (32 / 8 heads of 128,
 ``n_q = 16``, W = 4096, theta 1e7).
 """
 
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import DRAFTERS, DrafterShape
 import fold
 from fold import far_pages
-from tuning.workloads import DRAFTERS, DrafterShape
 
 SHAPES = {"llama3.1-8b": dataclasses.replace(DRAFTERS["llama3.1-8b"], n_q=16), "qwen3.5-9b": DRAFTERS["qwen3.5-9b"]}
 RESULTS = Path(__file__).parent / "results"

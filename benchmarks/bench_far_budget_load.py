@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from benchmarks.workloads import DRAFTERS, make_inputs, sdpa_packed_call, timed_rows
 import fold
 from fold import far_pages
-from tuning.workloads import DRAFTERS, make_inputs, sdpa_packed_call, timed_rows
 
 
 def rows(length: int) -> dict:
@@ -37,7 +37,7 @@ def rows(length: int) -> dict:
 
 
 def timed(fns: dict, repeats: int) -> dict:
-    """Median milliseconds of each row, alternated after a warm-up (:func:`tuning.workloads.timed_rows`)."""
+    """Median milliseconds of each row, alternated after a warm-up (:func:`benchmarks.workloads.timed_rows`)."""
     return {name: t[0] * 1e3 for name, t in timed_rows(fns, repeats).items()}
 
 

@@ -8,7 +8,7 @@ Run in the vLLM environment (README: "Serving with vLLM"). For each row (``ar``:
 ``--window`` / ``--alpha``) one engine serves every prompt, one request at a time, greedy; per prompt
 it reads vLLM's own counters before and after: spec-decode drafts and accepted tokens (acceptance
 length = 1 + accepted / drafts, the tokens a round commits) and the per-request time per output
-token histogram. Prompts: held-out Python stdlib code and retrieval prompts (``fold.demo.data``),
+token histogram. Prompts: held-out Python stdlib code and retrieval prompts (``fold.demo.prompts``),
 tokenized with the target's tokenizer: ``--retrieval planted`` (default) plants one
 ``SECRET_... = "value"`` line in held-out code, as ``fold-demo --real`` does; ``kv`` uses the toy's
 key-value documents; a retrieval prompt generates as many tokens as its stored value has (code:
@@ -42,22 +42,23 @@ def prompts(target: Path, lengths, per_length: int, seed: int, retrieval: str = 
     and ``DRAWS * per_length`` retrieval candidates (``answer``: the stored value's ids)."""
     from transformers import AutoTokenizer
 
-    from fold.demo import data
+    from fold.demo import corpus, tokens
+    from fold.demo.prompts import code_prompt, planted_retrieval_prompt, retrieval_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     rng = random.Random(seed)
-    code = data.held_out_code()
-    held_out = {name: data.encode(tokenizer, text) for name, text in code.items()}
-    newline = data.encode(tokenizer, "\n")
+    code = corpus.held_out_code()
+    held_out = {name: tokens.encode(tokenizer, text) for name, text in code.items()}
+    newline = tokens.encode(tokenizer, "\n")
     out = []
     for length in lengths:
         for _ in range(per_length):
-            out.append(("code", length, data.code_prompt(held_out, rng, length, newline), None))
+            out.append(("code", length, code_prompt(held_out, rng, length, newline), None))
         for _ in range(DRAWS * per_length):
             if retrieval == "planted":
-                ids, answer = data.planted_retrieval_prompt(rng, tokenizer, code, length, length // 2)
+                ids, answer = planted_retrieval_prompt(rng, tokenizer, code, length, length // 2)
             else:
-                ids, answer = data.retrieval_prompt(rng, tokenizer, length, length // 2)
+                ids, answer = retrieval_prompt(rng, tokenizer, length, length // 2)
             out.append(("retrieval", length, ids, answer))
     return out
 
@@ -65,13 +66,13 @@ def prompts(target: Path, lengths, per_length: int, seed: int, retrieval: str = 
 def keep_answered(items, ar_results, per_length: int) -> list[int]:
     """Indices of the items the other rows run: every code prompt, and per length the first
     ``per_length`` retrieval prompts whose ``ar`` output begins with their stored value."""
-    from fold.demo import data
+    from fold.demo.prompts import retrieved
 
     kept, taken = [], {}
     for i, ((task, length, _, answer), got) in enumerate(zip(items, ar_results)):
         if answer is None:
             kept.append(i)
-        elif taken.get(length, 0) < per_length and data.retrieved(got["tokens"], answer):
+        elif taken.get(length, 0) < per_length and retrieved(got["tokens"], answer):
             taken[length] = taken.get(length, 0) + 1
             kept.append(i)
     return kept

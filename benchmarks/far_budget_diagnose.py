@@ -288,14 +288,14 @@ def analyse(q, k, v, *, window, rope, alpha, budget, page, rules):
 def _list_recall(args, target, drafter, tokenizer, held):
     """``--list-recall``: fold.far_pages.select_pages on the drafter's inputs, by rank and list size."""
     from fold import far_pages, spec_decode
-    from fold.demo import cli
+    from fold.demo import experiment
 
     seen = []
     policy = watching(args, drafter, lambda q, k, v, rope: seen.append((q.clone(), k.clone(), rope)))
     lists = {"max(2K,16)": (2, 16), "max(K,8)": (1, 8), "every group": (1 << 30, 1 << 30)}
     saved = far_pages.SHORTLIST_PER_SLOT, far_pages.SHORTLIST_MIN
     for length in args.lengths:
-        ids, _, _ = cli.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
+        ids, _, _ = experiment.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
         recall = {}
         for p in range(ids.shape[0]):
             seen.clear()
@@ -311,9 +311,9 @@ def _list_recall(args, target, drafter, tokenizer, held):
                         far_pages.SHORTLIST_PER_SLOT, far_pages.SHORTLIST_MIN = sizes
                         for rank in far_pages.RANKS:
                             pages = far_pages.select_pages(
-                                q_far, bounds, None, max_len=L, n_q=n_q, span=args.window + n_q, far_page=page,
-                                num_slots=args.budget // page, scale=args.alpha * q.shape[-1] ** -0.5, rank=rank,
-                                keys=k, rope=rope)
+                                q_far, bounds, far_pages.KeyCache(k, rope=rope), span=args.window + n_q,
+                                far_page=page, num_slots=args.budget // page, scale=args.alpha * q.shape[-1] ** -0.5,
+                                rank=rank)
                             read = torch.zeros(heads_kv, -(-L // page), dtype=torch.bool)
                             for h in range(heads_kv):
                                 read[h, pages[0, h][pages[0, h] >= 0].long()] = True
@@ -391,11 +391,11 @@ def run_check(args, target, drafter, tokenizer, held):
     """``--check``: the dense float64 read against ``fold.attention`` on the drafter's own inputs."""
     import fold
     from fold import spec_decode
-    from fold.demo import cli
+    from fold.demo import experiment
 
     seen = []
     policy = watching(args, drafter, lambda q, k, v, rope: seen.append((q.double(), k.double(), v.double(), rope)))
-    ids, _, _ = cli.prompts_for(args.task, args.lengths[0], 1, args.seed, held, tokenizer, 32)
+    ids, _, _ = experiment.prompts_for(args.task, args.lengths[0], 1, args.seed, held, tokenizer, 32)
     spec_decode.generate(target, drafter, ids, max_new_tokens=8, policy=policy)
     worst = {"fold": 0.0, "bound": 0.0}
     for q, k, v, rope in seen:
@@ -414,13 +414,13 @@ def run_check(args, target, drafter, tokenizer, held):
 def run_analysis(args, target, drafter, tokenizer, held) -> list[dict]:
     """The default: each rule's recall of FOLD's far mass and its output error, per read."""
     from fold import spec_decode
-    from fold.demo import cli
+    from fold.demo import experiment
 
     seen, results = [], []
     policy = watching(args, drafter, lambda q, k, v, rope: seen.append((q[0].clone(), k[0].clone(), v[0].clone(),
                                                                           rope)))
     for length in args.lengths:
-        ids, n_new, _ = cli.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
+        ids, n_new, _ = experiment.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
         for p in range(ids.shape[0]):
             seen.clear()
             spec_decode.generate(target, drafter, ids[p:p + 1], max_new_tokens=n_new, policy=policy)
@@ -450,19 +450,19 @@ def run_analysis(args, target, drafter, tokenizer, held) -> list[dict]:
 
 def run_tau(args, target, drafter, anchor, tokenizer, held, held_text, train_len) -> list[dict]:
     """``--tau RULE``: τ with the budget row's far pages chosen by ``RULE``, paired with FOLD's."""
-    from fold.demo import cli
+    from fold.demo import experiment
 
     results = []
     for length in (args.lengths if args.real else ()):
         for page in args.page:
-            recs = cli.run_comparison(target, drafter, None, tokenizer, held_ids=held, tasks=[args.task],
-                                      lengths=[length], rows=("fold", cli.BUDGET_ROW), prompts=args.prompts,
-                                      new_tokens=24, repeats=1, window=args.window, alpha=args.alpha,
-                                      seed=args.seed, train_len=train_len, last_logits_only=True,
-                                      held_text=held_text, far_budget=args.budget, far_page=page,
-                                      policies={cli.BUDGET_ROW: rule_policy(args, drafter, page)})
+            recs = experiment.run_comparison(
+                target, drafter, None, tokenizer, held_ids=held, tasks=[args.task], lengths=[length],
+                rows=("fold", experiment.BUDGET_ROW), prompts=args.prompts, new_tokens=24, repeats=1,
+                window=args.window, alpha=args.alpha, seed=args.seed, train_len=train_len, last_logits_only=True,
+                held_text=held_text, far_budget=args.budget, far_page=page,
+                policies={experiment.BUDGET_ROW: rule_policy(args, drafter, page)})
             by = {r["policy"]: r for r in recs}
-            b = by[cli.BUDGET_ROW]
+            b = by[experiment.BUDGET_ROW]
             summary = dict(rule=args.tau, real=True, length=b["length"], page=page, budget=args.budget,
                            taus_fold=by["fold"]["taus"], taus_rule=b["taus"], tau_fold=by["fold"]["tau"],
                            tau_rule=b["tau"], minus_fold=b["tau_minus_fold"], ci=b["tau_minus_fold_ci"],
@@ -471,14 +471,14 @@ def run_tau(args, target, drafter, anchor, tokenizer, held, held_text, train_len
             print(json.dumps(summary), flush=True)
     for length in (() if args.real else args.lengths):
         for page in args.page:
-            ids, n_new, _ = cli.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
-            rows = cli.make_rows(target, drafter, anchor, ["window", "fold", cli.BUDGET_ROW], args.window,
-                                 args.alpha, train_len, far_budget=args.budget, far_page=page,
-                                 policies={cli.BUDGET_ROW: rule_policy(args, drafter, page)})
-            cli.measure_cell(rows, ids, n_new, 1)
-            recs = cli.cell_records(args.task, ids.shape[1], rows)
+            ids, n_new, _ = experiment.prompts_for(args.task, length, args.prompts, args.seed, held, tokenizer, 32)
+            rows = experiment.make_rows(target, drafter, anchor, ["window", "fold", experiment.BUDGET_ROW],
+                                        args.window, args.alpha, train_len, far_budget=args.budget, far_page=page,
+                                        policies={experiment.BUDGET_ROW: rule_policy(args, drafter, page)})
+            experiment.measure_cell(rows, ids, n_new, 1)
+            recs = experiment.cell_records(args.task, ids.shape[1], rows)
             by = {r["policy"]: r for r in recs}
-            b = by[cli.BUDGET_ROW]
+            b = by[experiment.BUDGET_ROW]
             summary = dict(rule=args.tau, length=ids.shape[1], page=page, budget=args.budget,
                            tau_window=by["window"]["tau"], tau_fold=by["fold"]["tau"], tau_rule=b["tau"],
                            minus_fold=b["tau_minus_fold"], ci=b["tau_minus_fold_ci"], lossless=b["lossless"])
@@ -489,20 +489,20 @@ def run_tau(args, target, drafter, anchor, tokenizer, held, held_text, train_len
 
 def main(argv=None):
     args = parse_args(argv)
-    from fold.demo import cli, data
+    from fold.demo import corpus, experiment, tokens
 
     if args.real:
         from fold.demo import real
 
-        target, drafter, anchor, tokenizer = cli.load_real_pair()
-        train_len = cli.training_length(drafter_dir=real.DRAFTER_DIR)
+        target, drafter, anchor, tokenizer = experiment.load_real_pair()
+        train_len = experiment.training_length(drafter_dir=real.DRAFTER_DIR)
     else:
-        target, drafter, anchor, tokenizer = cli.load_pair()
-        train_len = cli.training_length()
+        target, drafter, anchor, tokenizer = experiment.load_pair()
+        train_len = experiment.training_length()
     if args.window is None:
-        args.window = cli.REAL_WINDOW if args.real else 128
-    held_text = data.held_out_code()
-    held = {name: data.encode(tokenizer, text) for name, text in held_text.items()}
+        args.window = experiment.REAL_WINDOW if args.real else 128
+    held_text = corpus.held_out_code()
+    held = {name: tokens.encode(tokenizer, text) for name, text in held_text.items()}
     if args.check:
         return run_check(args, target, drafter, tokenizer, held)
     if args.list_recall:

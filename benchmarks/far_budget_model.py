@@ -28,7 +28,7 @@ drafter of its width (32 / 8 heads of 128, intermediate 14,336, W = 2048, n_q = 
 attention layers of 4 KV heads of 256 among 32, 24 Gated DeltaNet layers with a 32 x 128 x 128 float32
 state each, ~9e9 parameters assumed, vocab 248,320 assumed) with a 6-layer drafter (the FOLD paper's
 5 sliding + 1 full; under FOLD every layer reads the whole cache) of 32 / 8 heads of 128, intermediate
-12,288, W = 4096, n_q = 16 (``tuning.workloads.DRAFTERS["qwen3.5-9b"]``).
+12,288, W = 4096, n_q = 16 (``benchmarks.workloads.DRAFTERS["qwen3.5-9b"]``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from benchmarks.workloads import DRAFTERS, DrafterShape
 
 H200_BYTES_PER_S = 4.8e12          # HBM3e, NVIDIA's H200 datasheet figure
 BF16 = 2
@@ -54,30 +56,26 @@ class Model:
     drafter_layers: int
     drafter_intermediate: int
     drafter_taps: int                    # target layers whose features fc concatenates
-    heads_q: int = 32
-    heads_kv: int = 8
-    head_dim: int = 128
-    window: int = 2048
-    n_q: int = 16
+    attention: DrafterShape              # the drafter's attention: heads, head_dim, window, n_q
     notes: str = ""
 
     def drafter_weight_bytes(self) -> int:
-        h, d = self.hidden, self.head_dim
-        attn = h * self.heads_q * d * 2 + h * self.heads_kv * d * 2               # q, o; k, v
+        a, h = self.attention, self.hidden
+        attn = h * a.heads_q * a.head_dim * 2 + h * a.heads_kv * a.head_dim * 2    # q, o; k, v
         mlp = 3 * h * self.drafter_intermediate
         fc = self.drafter_taps * h * h
         lm_head = self.vocab * h                                                    # the target's, read for the slots
         return (self.drafter_layers * (attn + mlp) + fc + lm_head) * BF16
 
     def drafter_entry_bytes(self) -> int:
-        return self.heads_kv * self.head_dim * 2 * BF16                              # K and V of one entry, one layer
+        return self.attention.heads_kv * self.attention.head_dim * 2 * BF16          # K and V of one entry, one layer
 
 
 MODELS = {
     "llama3.1-8b": Model("Llama-3.1-8B", 8.03e9, 32 * 8 * 128 * 2 * BF16, 0, 128256, 4096, 5, 14336, 5,
-                         window=2048, notes="drafter layers assumed 5 (z-lab DFlash default)"),
+                         DrafterShape("llama3.1-8b", n_q=16, window=2048), notes="drafter layers assumed 5 (z-lab DFlash default)"),
     "qwen3.5-9b": Model("Qwen3.5-9B", 9.0e9, 8 * 4 * 256 * 2 * BF16, 24 * 32 * 128 * 128 * 4, 248320, 4096, 6, 12288, 5,
-                        window=4096, notes="params ~9e9 and vocab 248,320 assumed; drafter 5 sliding + 1 full (FOLD paper)"),
+                        DRAFTERS["qwen3.5-9b"], notes="params ~9e9 and vocab 248,320 assumed; drafter 5 sliding + 1 full (FOLD paper)"),
 }
 
 
@@ -89,9 +87,10 @@ def round_bytes(m: Model, length: int, budget: int | None, far_page: int, batch:
         kv = length * entry
         bounds = 0
     else:
-        far = max(0, length - m.window - m.n_q)
-        kv = (min(length, m.window + m.n_q) + min(far, budget // far_page * far_page)) * entry
-        bounds = math.ceil(length / far_page) * m.heads_kv * 2 * m.head_dim * 4
+        a = m.attention
+        far = max(0, length - a.window - a.n_q)
+        kv = (min(length, a.window + a.n_q) + min(far, budget // far_page * far_page)) * entry
+        bounds = math.ceil(length / far_page) * a.heads_kv * 2 * a.head_dim * 4
     drafter_kv = batch * m.drafter_layers * (kv + bounds)
     drafter = m.drafter_weight_bytes() + drafter_kv
     return dict(target=target, drafter=drafter, drafter_kv=drafter_kv,

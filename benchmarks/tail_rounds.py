@@ -23,19 +23,19 @@ TAILS = ("full", "shrink")
 
 
 def _pair(name: str):
-    from fold.demo import cli
+    from fold.demo import experiment
 
-    target, drafter, _, tokenizer = cli.load_real_pair() if name == "real" else cli.load_pair()
+    target, drafter, _, tokenizer = experiment.load_real_pair() if name == "real" else experiment.load_pair()
     return target, drafter, tokenizer
 
 
 def _prompts(tokenizer, count: int, length: int, seed: int) -> list[torch.Tensor]:
-    from fold.demo import data
+    from fold.demo import corpus, prompts, tokens
 
-    held = {name: data.encode(tokenizer, text) for name, text in data.held_out_code().items()}
+    held = {name: tokens.encode(tokenizer, text) for name, text in corpus.held_out_code().items()}
     newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]
     rng = random.Random(f"tail-{length}-{seed}")
-    return [torch.tensor(data.code_prompt(held, rng, length, newlines)) for _ in range(count)]
+    return [torch.tensor(prompts.code_prompt(held, rng, length, newlines)) for _ in range(count)]
 
 
 def _rounds(target, run):

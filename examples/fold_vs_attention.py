@@ -24,12 +24,10 @@ import argparse
 
 import torch
 
-
-from fold.argtypes import at_least
 import fold
+from benchmarks.workloads import DRAFTERS, fold_call, make_inputs, sdpa_full_call, sdpa_packed_call, timed_rows
+from fold.argtypes import at_least
 from fold.fold_attention import MAX_ALPHA
-from tuning.workloads import (DRAFTERS, fold_call, make_inputs, sdpa_full_call, sdpa_packed_call,
-                              timed_rows)
 
 
 def parse_args(argv=None):

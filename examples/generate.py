@@ -52,23 +52,14 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def _at_least(kind, low):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {kind.__name__} >= {low}, got {text!r}") from None
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        return value
+def _argtype(name: str, *args, **kwargs):
+    """``fold.argtypes.<name>(*args, **kwargs)``, imported when a value is parsed: a usage error is
+    printed before torch (which ``fold`` imports) is loaded."""
+    def parse(text: str):
+        from fold import argtypes
+
+        return getattr(argtypes, name)(*args, **kwargs)(text)
     return parse
-
-
-def _non_negative_float(text):
-    value = float(text)
-    if not value >= 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def parse_args(argv=None):
@@ -77,11 +68,11 @@ def parse_args(argv=None):
     parser.add_argument("--drafter", type=Path, required=True, help="a drafter directory (spec_decode.load_drafter)")
     parser.add_argument("--policy", choices=sorted(POLICY_OPTIONS), default="fold")
     parser.add_argument("--prompt-file", type=Path, required=True)
-    parser.add_argument("--max-new-tokens", type=_at_least(int, 1), default=256)
-    parser.add_argument("--window", type=_at_least(int, 0), default=2048,
+    parser.add_argument("--max-new-tokens", type=_argtype("at_least", 1), default=256)
+    parser.add_argument("--window", type=_argtype("at_least", 0), default=2048,
                         help="W of fold/window/rerope/infllm (0: no context at exact positions)")
     parser.add_argument("--alpha", type=float, default=2.0, help="fold's alpha, in [1, 1e4]")
-    parser.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    parser.add_argument("--temperature", type=_argtype("at_least", 0, kind=float), default=0.0)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--tokenizer", choices=["auto", "hf", "bytes"], default="auto",
                         help="hf: the target directory's tokenizer; bytes: token i is byte i; "

@@ -18,7 +18,7 @@ cache's token ids, for choosing taps::
     python -m examples.inspect_real_features layers --cache ~/.cache/fold/real-features --shards 2
 
 ``copy``: a drafter's per-slot accuracy (its argmax equal to the target's greedy token) on a shard,
-split by whether the slot's token continues a copy of an earlier span (``fold.demo.data.copy_mask``)
+split by whether the slot's token continues a copy of an earlier span (``fold.demo.tokens.copy_mask``)
 inside a run of >= 4 copied tokens, a shorter run, or no copy::
 
     python -m examples.inspect_real_features copy --drafter DIR --shard FILE

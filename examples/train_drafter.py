@@ -16,7 +16,7 @@ and LM head too) is frozen, so its features are computed once per sequence into 
 drafter alone.
 
 Copying: the data mix is mostly documents where copying is the only way to predict (``--mix``);
-a slot whose answer continues an earlier occurrence of the two tokens before it (``data.copy_mask``)
+a slot whose answer continues an earlier occurrence of the two tokens before it (``tokens.copy_mask``)
 weighs ``1 + --copy-weight`` in the loss, slot ``k`` also ``--decay ** (k - 1)``, and
 ``--copy-anchors`` of the blocks start where the next token is such a copy.
 
@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 
 import fold.demo  # noqa: F401  (registers the fold_toy target)
 from fold import spec_decode
-from fold.demo import data
+from fold.demo import corpus, documents, prompts, tokens
 from fold.spec_decode import load_drafter
 from fold.spec_decode.drafter import Drafter, DrafterConfig
 from fold.spec_decode.loading import read_config
@@ -161,12 +161,12 @@ class FeaturePool:
     def compute(self, n: int):
         """``n`` new sequences -> (ids [n, T], features [n, T, k*H] bf16, greedy [n, T], copy [n, T])."""
         a = self.args
-        ids = torch.tensor([data.training_sample(self.rng, self.tokenizer, self.code, a.seq_len, a.mix)
+        ids = torch.tensor([documents.training_sample(self.rng, self.tokenizer, self.code, a.seq_len, a.mix)
                             for _ in range(n)], device=a.device)
         with torch.autocast(a.device.type, dtype=torch.bfloat16):
             out = self.target(ids, output_hidden_states=True)
         features = self.drafter.features(out.hidden_states).to(torch.bfloat16)
-        return ids, features, out.logits.argmax(-1), data.copy_mask(ids.cpu()).to(a.device)
+        return ids, features, out.logits.argmax(-1), tokens.copy_mask(ids.cpu()).to(a.device)
 
     def _fill(self, rows):
         rows = list(rows)
@@ -218,7 +218,7 @@ def step_inputs(pool: FeaturePool, rng: random.Random, args):
 def copy_ability(target, drafter, tokenizer, code, args, n: int = 8, seed: int = 99) -> dict:
     """Copy ability at the training length, before any long-context run.
 
-    - ``slot_accuracy_on_copies``: per slot, the share of copy positions (``data.copy_mask``) whose
+    - ``slot_accuracy_on_copies``: per slot, the share of copy positions (``tokens.copy_mask``) whose
       draft equals the target's greedy token, in the training forward on fresh sequences;
     - ``retrieval_tau``: ``spec_decode.generate``'s tau (policy ``dflash``, every entry at its true
       position) on retrieval prompts of the training length, the value stored at least half of it back.
@@ -229,9 +229,11 @@ def copy_ability(target, drafter, tokenizer, code, args, n: int = 8, seed: int =
     hits = torch.zeros(args.block_size - 1)
     counts = torch.zeros(args.block_size - 1)
     for _ in range(n):
-        ids = torch.tensor([data.training_sample(rng, tokenizer, code, args.seq_len, args.mix)], device=args.device)
+        ids = torch.tensor([documents.training_sample(rng, tokenizer, code, args.seq_len, args.mix)],
+                           device=args.device)
         out = target(ids, output_hidden_states=True)
-        feats, greedy, copy = drafter.features(out.hidden_states).float(), out.logits.argmax(-1), data.copy_mask(ids.cpu())
+        feats, greedy = drafter.features(out.hidden_states).float(), out.logits.argmax(-1)
+        copy = tokens.copy_mask(ids.cpu())
         anchors = torch.arange(args.min_context, args.seq_len - args.block_size, device=args.device)[None]
         pos = torch.arange(args.seq_len + args.block_size, device=args.device)[None]
         pred = block_logits(drafter, feats, ids, anchors, pos).argmax(-1)[0].cpu()          # [K, bs-1]
@@ -242,7 +244,7 @@ def copy_ability(target, drafter, tokenizer, code, args, n: int = 8, seed: int =
         counts += mask.sum(0)
     taus = []
     for _ in range(n):
-        prompt, answer = data.retrieval_prompt(rng, tokenizer, args.seq_len, args.seq_len // 2)
+        prompt, answer = prompts.retrieval_prompt(rng, tokenizer, args.seq_len, args.seq_len // 2)
         res = spec_decode.generate(target, drafter, torch.tensor([prompt], device=args.device), max_new_tokens=len(answer),
                             policy="dflash")
         taus.append(res.tau)
@@ -275,7 +277,8 @@ def parse_args(argv=None):
     ap.add_argument("--decay", type=positive(float), default=0.9, help="loss weight decay per slot")
     ap.add_argument("--copy-weight", type=float, default=2.0, help="extra loss weight of a slot whose answer is a copy")
     ap.add_argument("--copy-anchors", type=float, default=0.5, help="share of blocks starting before a copy")
-    ap.add_argument("--mix", type=float, nargs=len(data.DOCUMENT_KINDS), default=[0.3, 0.3, 0.2, 0.2], help=MIX_HELP)
+    ap.add_argument("--mix", type=float, nargs=len(documents.DOCUMENT_KINDS), default=[0.3, 0.3, 0.2, 0.2],
+                    help=MIX_HELP)
     ap.add_argument("--pool", type=positive(int), default=2048, help="training sequences held with their features")
     ap.add_argument("--refresh", type=int, default=2, help="pool sequences replaced by new ones every step")
     ap.add_argument("--anchor-offset", action="store_true")
@@ -345,7 +348,7 @@ def main(argv=None):
     rng = random.Random(args.seed)
     target = load_target(args)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
-    code, _ = data.split_corpus(args.stdlib)
+    code, _ = corpus.split_corpus(args.stdlib)
     drafter = new_drafter(args, target)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -414,7 +417,7 @@ def check_loaded(path, target, tokenizer, rng, code, args) -> float:
     read) with the training forward of the same loaded (bf16-rounded) weights on one block."""
     loaded = load_drafter(path, target).float()
     n = max(args.seq_len, 2 * args.block_size + 2)
-    ids = torch.tensor([data.training_sample(rng, tokenizer, code, n, args.mix)], device=args.device)
+    ids = torch.tensor([documents.training_sample(rng, tokenizer, code, n, args.mix)], device=args.device)
     inference, training = slot_logits_both_ways(loaded, target, ids)
     return float((inference - training).abs().max())
 

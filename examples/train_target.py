@@ -2,7 +2,7 @@
 
     python -m examples.train_target --out fold/demo/artifacts/target --minutes 40 --batch 4 --threads 1
 
-1. Tokenizer: a byte-level BPE of ``--vocab`` entries (``fold.demo.data.train_tokenizer``) trained
+1. Tokenizer: a byte-level BPE of ``--vocab`` entries (``fold.demo.tokens.train_tokenizer``) trained
    on the training split (the standard library found on this machine, held-out packages excluded,
    plus generated documents), written as ``tokenizer.json`` next to the model (``AutoTokenizer``
    loads it). ``--tokenizer DIR`` reuses an existing one instead.
@@ -31,14 +31,14 @@ import torch
 
 from fold.argtypes import positive
 from fold import spec_decode
-from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
+from fold.demo import FoldToyConfig, FoldToyForCausalLM, corpus, documents, prompts, tokens
 
 MIX_HELP = "shares of code, key-value, repeated-line and random-string windows (summing to 1)"
 
 
-def check_mix(parser, mix, n=len(data.DOCUMENT_KINDS)):
+def check_mix(parser, mix, n=len(documents.DOCUMENT_KINDS)):
     if len(mix) != n or any(m < 0 or m != m for m in mix) or abs(sum(mix) - 1) > 1e-6:
-        parser.error(f"--mix takes {n} shares >= 0 summing to 1 ({', '.join(data.DOCUMENT_KINDS)}), got {mix}")
+        parser.error(f"--mix takes {n} shares >= 0 summing to 1 ({', '.join(documents.DOCUMENT_KINDS)}), got {mix}")
 
 
 def check_device(parser, device: str) -> torch.device:
@@ -57,13 +57,13 @@ def tokenizer_texts(rng, code: str, per_kind: int = 150):
     """The tokenizer's training text: the training code in 100K-character pieces, then ``per_kind``
     generated documents of 4,000 characters of each kind (key-value, repeated lines, random strings)."""
     yield from (code[i:i + 100_000] for i in range(0, len(code), 100_000))
-    for kind in data.DOCUMENT_KINDS[1:]:
+    for kind in documents.DOCUMENT_KINDS[1:]:
         for _ in range(per_kind):
-            yield data.training_text(rng, code, 4000, kind)
+            yield documents.training_text(rng, code, 4000, kind)
 
 
 def batch_of(rng, tokenizer, code, batch, seq_len, mix):
-    return torch.tensor([data.training_sample(rng, tokenizer, code, seq_len, mix) for _ in range(batch)])
+    return torch.tensor([documents.training_sample(rng, tokenizer, code, seq_len, mix) for _ in range(batch)])
 
 
 @torch.no_grad()
@@ -73,7 +73,7 @@ def held_out_loss(model, held_ids, lengths, rng, device, samples=2):
     for length in lengths:
         losses = []
         for _ in range(samples):
-            ids = torch.tensor([data.code_prompt(held_ids, rng, length)], device=device)
+            ids = torch.tensor([prompts.code_prompt(held_ids, rng, length)], device=device)
             n = min(256, length - 1)
             logits = model(ids).logits[0, -n - 1:-1].float()
             losses.append(torch.nn.functional.cross_entropy(logits, ids[0, -n:]).item())
@@ -87,7 +87,7 @@ def retrieval_accuracy(model, tokenizer, rng, length, device, trials=4):
     that reproduce the stored value."""
     hits = 0
     for _ in range(trials):
-        prompt, answer = data.retrieval_prompt(rng, tokenizer, length, length // 2)
+        prompt, answer = prompts.retrieval_prompt(rng, tokenizer, length, length // 2)
         out = spec_decode.autoregressive(model, torch.tensor([prompt], device=device), max_new_tokens=len(answer))
         hits += out.sequences[0, len(prompt):].tolist() == answer
     return hits / trials
@@ -138,7 +138,8 @@ def parse_args(argv=None):
                     help="the global layer's value/output path starts as a copy of this gain (0: random)")
     ap.add_argument("--channel-lags", type=int, default=5, help="earlier tokens in the context channel (0: no channel)")
     ap.add_argument("--channel-width", type=int, default=12, help="dimensions of each token code in the channel")
-    ap.add_argument("--mix", type=float, nargs=len(data.DOCUMENT_KINDS), default=[0.5, 0.2, 0.15, 0.15], help=MIX_HELP)
+    ap.add_argument("--mix", type=float, nargs=len(documents.DOCUMENT_KINDS), default=[0.5, 0.2, 0.15, 0.15],
+                    help=MIX_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the same code runs on both)")
     ap.add_argument("--threads", type=positive(int), default=None, help="torch CPU threads (default: torch's choice)")
@@ -169,12 +170,12 @@ def main(argv=None):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    code, held = data.split_corpus(args.stdlib)
+    code, held = corpus.split_corpus(args.stdlib)
     args.out.mkdir(parents=True, exist_ok=True)
     t_tok = time.perf_counter()
     if args.tokenizer is None:
-        tok = data.train_tokenizer(tokenizer_texts(random.Random(args.seed), code), args.vocab)
-        data.save_tokenizer(tok, args.out)
+        tok = tokens.train_tokenizer(tokenizer_texts(random.Random(args.seed), code), args.vocab)
+        tokens.save_tokenizer(tok, args.out)
     else:
         import shutil
 
@@ -185,7 +186,7 @@ def main(argv=None):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.out)
     tok_seconds = time.perf_counter() - t_tok
-    held_ids = {name: data.encode(tokenizer, text) for name, text in held.items()}
+    held_ids = {name: tokens.encode(tokenizer, text) for name, text in held.items()}
     model = build_model(args, len(tokenizer), tokenizer.mask_token_id).to(args.device)
     opt = torch.optim.AdamW(param_groups(model, args.lr, args.qk_lr_scale), betas=(0.9, 0.95))
     channel = model.model.embed_tokens.weight[:, model.config.write_dims:].detach().clone()   # kept fixed

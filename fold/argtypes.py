@@ -29,10 +29,11 @@ def positive(kind: type = int) -> Callable[[str], int | float]:
 
 def at_least(minimum: int | float, why: str = "", *, kind: type = int) -> Callable[[str], int | float]:
     """A finite number ``>= minimum`` of ``kind``; ``why`` is appended to the message (e.g. ``" (a block)"``)."""
+    what = "a finite number " if kind is float else ""
     def parse(text: str):
         value = _parse(text, kind)
         if not (value >= minimum and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be {what}>= {minimum}{why}, got {value}")
         return value
     return parse
 

@@ -49,7 +49,6 @@ import functools
 import hashlib
 import json
 import math
-import numbers
 import os
 import warnings
 from pathlib import Path
@@ -57,6 +56,7 @@ from pathlib import Path
 import torch
 import triton
 
+from fold.checks import is_int
 from fold.kernels import fold_attention as _kernels
 from fold.kernels.fold_attention import SPACE, TILE_FIELDS, FoldConfig, split_counts
 
@@ -145,7 +145,7 @@ def check_tile(config) -> str | None:
             return f"config field '{field}' is not a tile field{why}"
     for field in TILE_FIELDS:
         value = config[field]
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not is_int(value):
             return f"config field '{field}' must be an integer, got {value!r}"
         if value not in SPACE[field]:
             return f"config field '{field}' = {value} is not in the declared space {SPACE[field]}"

@@ -24,13 +24,14 @@ launcher share.
 
 from __future__ import annotations
 
-import numbers
+from dataclasses import dataclass
 
 import torch
 
+from fold.checks import check_bool, check_float
 from fold.rope import Rope, rotate_with, work_dtype
 
-__all__ = ["RANKS", "empty_bounds", "page_bounds", "select_pages", "update_bounds"]
+__all__ = ["RANKS", "KeyCache", "empty_bounds", "page_bounds", "select_pages", "straddled_pages", "update_bounds"]
 
 # how the listed candidate pages are ranked (:func:`select_pages`)
 RANKS = ("bound", "keys")
@@ -81,20 +82,17 @@ def _keys_for_bounds(keys, positions, keys_rotated, rope, k_scale):
 
 
 def _check_common(name, keys, far_page, keys_rotated, rope, k_scale):
+    from fold.read_options import ReadOptions
+
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(keys).__name__}")
-    if isinstance(far_page, bool) or not isinstance(far_page, int):
-        raise TypeError(f"far_page must be an int, got {type(far_page).__name__}")
-    if far_page < 1:
-        raise ValueError(f"far_page must be >= 1, got {far_page}")
-    if not isinstance(keys_rotated, bool):
-        raise TypeError(f"keys_rotated must be a bool, got {type(keys_rotated).__name__}")
+    ReadOptions.check("far_page", far_page)
+    check_bool("keys_rotated", keys_rotated)
     if rope is not None and not isinstance(rope, Rope):
         raise TypeError(f"rope must be a fold.Rope or None, got {type(rope).__name__}")
     if keys_rotated and rope is None:
         raise ValueError("keys_rotated=True needs rope (the keys are un-rotated before their bounds are taken)")
-    if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real) or not k_scale > 0:
-        raise ValueError(f"k_scale must be a float > 0, got {k_scale!r}")
+    check_float("k_scale", k_scale, 0, open_low=True)
 
 
 def page_bounds(k: torch.Tensor, far_page: int, *, cache_seqlens=None, block_table=None, keys_rotated: bool = False,
@@ -269,10 +267,41 @@ def _group_bound(q_pos, q_neg, hi, lo, scale):
     return torch.where((hi < lo).any(-1), float("-inf"), s)
 
 
-def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, max_len: int, n_q: int, span: int,
-                 far_page: int, num_slots: int, scale: float, block_table=None, rank: str = "bound",
-                 keys: torch.Tensor | None = None, keys_rotated: bool = False, rope: Rope | None = None,
-                 k_scale: float = 1.0) -> torch.Tensor:
+def straddled_pages(n_q: int, far_page: int) -> int:
+    """The most pages of ``far_page`` entries that the far/window edge of a block of ``n_q`` rows can straddle
+    (entries far for some row but not every row, or pages that also hold entries that are not far):
+    ``ceil((n_q - 1) / P) + 1``. A budgeted read always reads them, so a budget must hold that many pages."""
+    return -(-(n_q - 1) // far_page) + 1
+
+
+@dataclass(frozen=True)
+class KeyCache:
+    """The cache a selection reads, as stored: ``k`` dense ``[batch, max_len, Hkv, d]``, or pages
+    ``[num_blocks, P, Hkv, d]`` with ``block_table [batch, max_blocks]`` int32; ``cache_seqlens [batch]``
+    int tensor, or None (every sequence holds ``max_len``); ``keys_rotated``, ``rope``, ``k_scale`` as
+    :func:`page_bounds` takes them."""
+
+    k: torch.Tensor
+    cache_seqlens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    keys_rotated: bool = False
+    rope: Rope | None = None
+    k_scale: float = 1.0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1] * (1 if self.block_table is None else self.block_table.shape[1])
+
+    def lengths(self) -> torch.Tensor:
+        """``[batch]`` int64 valid lengths."""
+        if self.cache_seqlens is None:
+            batch = self.k.shape[0] if self.block_table is None else self.block_table.shape[0]
+            return torch.full((batch,), self.max_len, device=self.k.device)
+        return self.cache_seqlens.to(self.k.device).long()
+
+
+def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache: KeyCache, *, span: int, far_page: int,
+                 num_slots: int, scale: float, rank: str = "bound") -> torch.Tensor:
     """The pages a budgeted far read reads, per sequence and KV head (torch ops: no host sync).
 
     Row r of sequence b (``L`` entries, ``n = L - n_q``) reads entry j as far memory iff ``j <= n + r - span``
@@ -303,56 +332,34 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     Args:
         q_far: [batch, n_q, Hq, d] from :func:`far_queries`.
         bounds: dense ``[batch, >= ceil(max_len / P), Hkv, 2, d]``, or paged ``[num_blocks, Hkv, 2, d]``
-            with ``block_table [batch, max_blocks]``.
-        cache_seqlens: [batch] int tensor, or None (every sequence holds ``max_len``).
-        num_slots: K, pages read per sequence and KV head (>= the straddlers: ``ceil((n_q - 1) / P) + 1``).
+            (with ``cache.block_table``).
+        cache: the cache's keys (read with ``rank="keys"``), its block table and lengths.
+        num_slots: K, pages read per sequence and KV head (>= :func:`straddled_pages`).
         scale: ``softmax_scale * alpha`` (positive).
         rank: ``"bound"`` (default) or ``"keys"``.
-        keys: with ``rank="keys"``, the cache's keys as stored: dense ``[batch, max_len, Hkv, d]``, or pages
-            ``[num_blocks, far_page, Hkv, d]`` with ``block_table``; ``keys_rotated``, ``rope``, ``k_scale``
-            as :func:`page_bounds` takes them.
 
     Returns:
         [batch, Hkv, K] int32 page indices (logical: page t = entries ``[t P, (t + 1) P)``), ascending,
         then -1.
     """
-    batch, _, heads_q, head_dim = q_far.shape
+    batch, n_q, heads_q, head_dim = q_far.shape
     heads_kv = bounds.shape[-3]
-    num_pages = block_table.shape[1] if block_table is not None else -(-max_len // far_page)
+    block_table = cache.block_table
+    num_pages = block_table.shape[1] if block_table is not None else -(-cache.max_len // far_page)
     q = q_far.view(batch, n_q, heads_kv, heads_q // heads_kv, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(batch, heads_kv, -1, head_dim).float()                                 # [B, Hkv, M, d]
     q_pos, q_neg = q.clamp(min=0), q.clamp(max=0)
     dev = q.device
     G = GROUP_PAGES
     num_groups = -(-num_pages // G)
-
-    def boxes(t):                                       # pages t [B, Hkv, C] (in range) -> hi, lo [B, Hkv, C, d]
-        h = torch.arange(heads_kv, device=dev)[None, :, None]
-        if block_table is None:
-            page = bounds[torch.arange(batch, device=dev)[:, None, None], t, h]
-        else:
-            phys = block_table.long().gather(1, t.flatten(1)).view_as(t).clamp(0, bounds.shape[0] - 1)
-            page = bounds[phys, h]
-        return page[..., 0, :].float(), page[..., 1, :].float()
-
-    lengths = (torch.full((batch,), max_len, device=dev) if cache_seqlens is None
-               else cache_seqlens.to(dev)).long()
-    win_lo = (lengths - n_q - span + 1)[:, None, None]  # [B, 1, 1] entries < win_lo are far for every row
-    far_hi = win_lo + n_q - 1                           # entries < far_hi are far for some row
-    if num_groups <= shortlist_size(num_slots):         # every group is listed: rank every page
+    win_lo = (cache.lengths() - n_q - span + 1)[:, None, None]  # [B, 1, 1] entries < win_lo are far for every row
+    far_hi = win_lo + n_q - 1                                   # entries < far_hi are far for some row
+    if num_groups <= shortlist_size(num_slots):                 # every group is listed: rank every page
         among = torch.arange(num_pages, device=dev).expand(batch, heads_kv, num_pages)
         if rank == "keys":
-            score = _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope,
-                                k_scale, every_page=True)
-            return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
-        score = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=dev)
-        step = max(1, BOUNDS_CHUNK // far_page)
-        for t0 in range(0, num_pages, step):            # the pages' boxes as stored: no gather
-            t1 = min(t0 + step, num_pages)
-            page = (bounds[:, t0:t1] if block_table is None
-                    else bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)])   # [B, T', Hkv, 2, d]
-            hi, lo = (page[..., i, :].float().transpose(1, 2) for i in (0, 1))         # [B, Hkv, T', d]
-            score[:, :, t0:t1] = _group_bound(q_pos, q_neg, hi, lo, scale)
+            score = _key_shares(q, among, cache, win_lo, far_page, num_pages, scale, every_page=True)
+        else:
+            score = _page_scores(q_pos, q_neg, bounds, block_table, far_page, num_pages, scale)
         return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
     group_score = torch.empty(batch, heads_kv, num_groups, dtype=torch.float32, device=dev)
     step = max(1, BOUNDS_CHUNK // (far_page * G))                                      # groups per step
@@ -381,16 +388,41 @@ def select_pages(q_far: torch.Tensor, bounds: torch.Tensor, cache_seqlens, *, ma
     groups = torch.sort(-key, dim=-1, stable=True).indices[..., :shortlist_size(num_slots)]   # [B, Hkv, S]
     listed = (groups[..., None] * G + torch.arange(G, device=dev)).flatten(2)          # [B, Hkv, S G]
     first = torch.div(win_lo.clamp(min=0), far_page, rounding_mode="floor")           # the first straddler
-    max_straddlers = -(-(n_q - 1) // far_page) + 1
+    max_straddlers = straddled_pages(n_q, far_page)
     strad_pages = (first + torch.arange(max_straddlers, device=dev)).expand(batch, heads_kv, max_straddlers)
     among = torch.sort(torch.cat([listed, strad_pages], dim=-1), dim=-1).values        # ascending: ties -> lower page
     if rank == "keys":
-        score = _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope,
-                            k_scale)
+        score = _key_shares(q, among, cache, win_lo, far_page, num_pages, scale)
     else:
-        hi, lo = boxes(among.clamp(max=num_pages - 1))
+        hi, lo = _boxes(bounds, block_table, among.clamp(max=num_pages - 1))
         score = _group_bound(q_pos, q_neg, hi, lo, scale)
     return _read_best(among, score, win_lo, far_hi, far_page, num_pages, num_slots)
+
+
+def _boxes(bounds, block_table, t):
+    """The boxes of pages ``t [B, Hkv, C]`` (in range) -> ``hi, lo [B, Hkv, C, d]`` float32."""
+    batch, heads_kv = t.shape[:2]
+    h = torch.arange(heads_kv, device=t.device)[None, :, None]
+    if block_table is None:
+        page = bounds[torch.arange(batch, device=t.device)[:, None, None], t, h]
+    else:
+        phys = block_table.long().gather(1, t.flatten(1)).view_as(t).clamp(0, bounds.shape[0] - 1)
+        page = bounds[phys, h]
+    return page[..., 0, :].float(), page[..., 1, :].float()
+
+
+def _page_scores(q_pos, q_neg, bounds, block_table, far_page, num_pages, scale):
+    """Every page's bound ``[B, Hkv, num_pages]``, from the pages' boxes as stored (no gather)."""
+    batch, heads_kv = q_pos.shape[:2]
+    score = torch.empty(batch, heads_kv, num_pages, dtype=torch.float32, device=q_pos.device)
+    step = max(1, BOUNDS_CHUNK // far_page)
+    for t0 in range(0, num_pages, step):
+        t1 = min(t0 + step, num_pages)
+        page = (bounds[:, t0:t1] if block_table is None
+                else bounds[block_table[:, t0:t1].long().clamp(0, bounds.shape[0] - 1)])   # [B, T', Hkv, 2, d]
+        hi, lo = (page[..., i, :].float().transpose(1, 2) for i in (0, 1))             # [B, Hkv, T', d]
+        score[:, :, t0:t1] = _group_bound(q_pos, q_neg, hi, lo, scale)
+    return score
 
 
 def _entry_rows(keys: torch.Tensor):
@@ -408,8 +440,7 @@ def _entry_rows(keys: torch.Tensor):
     return torch.as_strided(keys, (n_rows, d), (d, 1)), tuple(strides)
 
 
-def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table, keys_rotated, rope, k_scale,
-                every_page=False):
+def _key_shares(q, among, cache: KeyCache, win_lo, far_page, num_pages, scale, every_page=False):
     """``rank="keys"``: pages ``among [B, Hkv, C]`` -> each candidate's mean share ``[B, Hkv, C]`` over rows and
     heads ``q [B, Hkv, M, d]`` of ``softmax over candidates (scale * the page's largest far logit)``; -inf for
     pages that are not candidates. Keys are read about ``KEYS_CHUNK`` rows at a time (all sequences and
@@ -419,6 +450,7 @@ def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table,
     (:func:`fold.torch_path.serial_on_cpu`): each step is a few milliseconds of work, and a parallel
     region per op would wait for a descheduled thread on a busy host (``docs/far-budget.md``)."""
     batch, heads_kv, m, head_dim = q.shape
+    keys, block_table = cache.k, cache.block_table
     C = among.shape[-1]
     dev = q.device
     t = among.clamp(max=num_pages - 1)
@@ -452,7 +484,8 @@ def _key_shares(q, among, keys, win_lo, far_page, num_pages, scale, block_table,
                 x = rows.index_select(0, flat).view(batch, heads_kv, -1, head_dim)
             else:
                 x = keys[where].flatten(2, -2)                                           # [B, Hkv, C' P, d]
-        x = _keys_for_bounds(x[..., None, :], pos, keys_rotated, rope, k_scale)[..., 0, :]       # one "head" axis
+        x = _keys_for_bounds(x[..., None, :], pos, cache.keys_rotated, cache.rope, cache.k_scale)    # one "head" axis
+        x = x[..., 0, :]
         logits = torch.matmul(q, x.transpose(-1, -2))                                     # [B, Hkv, M, C' P]
         logits = logits.unflatten(-1, (c1 - c0, far_page)).amax(-1)                      # [B, Hkv, M, C']
         top[..., c0:c1] = torch.where(torch.isnan(logits), float("inf"), logits)

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 
 import torch
 
+from fold.checks import check_bool, check_choice, check_float, check_int, is_int
+from fold.far_pages import KeyCache
+from fold.read_options import BACKENDS, MAX_ALPHA, ReadOptions  # noqa: F401 (MAX_ALPHA: alpha's documented limit)
 from fold.rope import Rope
 
-BACKENDS = ("auto", "torch", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
-# alpha -> infinity is a hard max over the far logits; beyond 1e4 nothing changes at float32
-# precision, and alpha * logits would start to overflow.
-MAX_ALPHA = 1e4
-
-
-FAR_POSITIONS = ("shared", "fixed_distance", "none")
 # caches fold reads in another dtype than q's (dequantized on load with k_scale, v_scale), as vLLM stores them
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -132,109 +126,81 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
         >>> out.shape
         torch.Size([1, 10, 32, 128])
     """
-    args = _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale,
-                     return_lse, backend, check_ranges)
-    for name, flag in (("queries_rotated", queries_rotated), ("causal", causal)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if far_position not in FAR_POSITIONS:
-        raise ValueError(f"far_position must be one of {FAR_POSITIONS}, got {far_position!r}")
-    n_q = q.shape[1]
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
-            raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
-        if sliding_window < n_q:
-            raise ValueError(f"sliding_window must be >= n_q={n_q} (the block must fit in the layer's window), "
-                             f"got {sliding_window}")
-    k_scale, v_scale = (validate_cache_scale(name, x) for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
-    span = window + n_q if sliding_window is None else int(sliding_window)
-    far_pages = _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale,
-                           far_budget, far_page, far_bounds, far_rank)
+    options = ReadOptions(alpha=alpha, far_position=far_position, backend=backend, far_budget=far_budget,
+                          far_page=far_page, far_rank=far_rank)
+    op = _validate(q, k, v, window=window, rope=rope, cache_seqlens=cache_seqlens, block_table=block_table,
+                   softmax_scale=softmax_scale, backend=options.backend, check_ranges=check_ranges,
+                   sliding_window=sliding_window)
+    flags = dict(keys_rotated=keys_rotated, queries_rotated=queries_rotated, causal=causal)
+    for name, flag in (*flags.items(), ("return_lse", return_lse)):
+        check_bool(name, flag)
+    op.update(flags, alpha=options.alpha, far_per_row=options.far_position == "shared",
+              read_far=options.far_position != "none", k_scale=validate_cache_scale("k_scale", k_scale),
+              v_scale=validate_cache_scale("v_scale", v_scale))
+    op["far_pages"] = _far_pages(op, rope, options, far_bounds)
+    op["far_page"] = options.far_page if op["far_pages"] is not None else 0
     from fold.ops import attention_op
 
-    out, lse = attention_op(args["q"], args["k"], args["v"], rope.inv_freq_on(args["q"].device),
-                            args["cache_seqlens"], args["block_table"], window, float(alpha), args["softmax_scale"],
-                            rope.rotary_dim, rope.interleaved, rope.attention_factor, keys_rotated,
-                            far_position == "shared", queries_rotated, args["backend"], far_position != "none",
-                            -1 if sliding_window is None else int(sliding_window), causal, k_scale, v_scale,
-                            far_pages, far_page if far_pages is not None else 0)
+    out, lse = attention_op(**op)
     return (out, lse) if return_lse else out
 
 
-def _far_pages(args, rope, window, span, alpha, far_position, keys_rotated, queries_rotated, k_scale, far_budget,
-               far_page, far_bounds, far_rank="bound"):
-    """Validate the far-budget arguments and select the pages: ``[batch, heads_kv, K]`` int32, or None
-    (no budget, or one that covers every sequence's far memory: the full read, exactly FOLD)."""
-    q, k, block_table = args["q"], args["k"], args["block_table"]
-    if isinstance(far_page, bool) or not isinstance(far_page, numbers.Integral):
-        raise TypeError(f"far_page must be an int, got {type(far_page).__name__}")
-    if far_page < 1:
-        raise ValueError(f"far_page must be >= 1, got {far_page}")
-    from fold.far_pages import RANKS
-
-    if not isinstance(far_rank, str):
-        raise TypeError(f"far_rank must be a str, one of {RANKS}, got {type(far_rank).__name__}")
-    if far_rank not in RANKS:
-        raise ValueError(f"far_rank must be one of {RANKS}, got {far_rank!r}")
-    if far_budget is None:
+def _far_pages(op: dict, rope: Rope, options: ReadOptions, far_bounds):
+    """The far pages a budgeted read reads (:func:`fold.far_pages.select_pages`), ``[batch, heads_kv, K]``
+    int32, or None (no budget, or one that covers every sequence's far memory: the full read, exactly FOLD).
+    ``op``: the checked arguments of ``fold::attention`` but these."""
+    if options.far_budget is None:
         return None
-    if isinstance(far_budget, bool) or not isinstance(far_budget, numbers.Integral):
-        raise TypeError(f"far_budget must be an int or None, got {type(far_budget).__name__}")
-    if far_position != "shared":
-        raise ValueError(f"far_budget needs far_position='shared' (the far keys' bounds hold at one shared "
-                         f"position), got far_position={far_position!r}")
-    batch, n_q, _, head_dim = q.shape
-    heads_kv = k.shape[2]
-    far_page = int(far_page)
-    if block_table is not None and far_page != k.shape[1]:
+    q, k, far_page = op["q"], op["k"], options.far_page
+    cache = KeyCache(k, cache_seqlens=op["cache_seqlens"], block_table=op["block_table"],
+                     keys_rotated=op["keys_rotated"], rope=rope, k_scale=op["k_scale"])
+    if cache.block_table is not None and far_page != k.shape[1]:
         raise ValueError(f"far_page={far_page} must equal the paged cache's page size k.shape[1]={k.shape[1]} "
                          "(the cache's pages are the far pages)")
-    slots = int(far_budget) // far_page
-    needed = -(-(n_q - 1) // far_page) + 1
-    if slots < needed:
-        raise ValueError(f"far_budget={far_budget} gives {slots} pages of far_page={far_page}; the pages that "
-                         f"straddle the block's far/window edge need {needed} (far_budget >= {needed * far_page})")
-    max_len = block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[1]
-    if far_bounds is not None:
-        if not isinstance(far_bounds, torch.Tensor):
-            raise TypeError(f"far_bounds must be a float32 tensor or None, got {type(far_bounds).__name__}")
-        want = ((k.shape[0], heads_kv, 2, head_dim) if block_table is not None
-                else (batch, -(-max_len // far_page), heads_kv, 2, head_dim))
-        if tuple(far_bounds.shape) != want:
-            raise ValueError(f"far_bounds must have shape {list(want)} (see fold.far_pages), got "
-                             f"{tuple(far_bounds.shape)}")
-        if far_bounds.dtype != torch.float32:
-            raise TypeError(f"far_bounds must be float32, got {far_bounds.dtype}")
-        if far_bounds.device != q.device:
-            raise ValueError(f"far_bounds must be on q's device {q.device}, got {far_bounds.device}")
-    if slots * far_page >= max_len - span:              # every sequence's far memory fits: read it all
+    options.check_block(q.shape[1])
+    _check_far_bounds(far_bounds, cache, far_page, q)
+    span = op["window"] + q.shape[1] if op["sliding_window"] < 0 else op["sliding_window"]
+    slots = options.far_budget // far_page
+    if slots * far_page >= cache.max_len - span:        # every sequence's far memory fits: read it all
         return None
     from fold import far_pages
     from fold.torch_path import serial_on_cpu
 
-    seqlens = args["cache_seqlens"]
     with serial_on_cpu(q.device):                        # many small ops: one thread each on a CPU (as a read)
         if far_bounds is None:
-            far_bounds = far_pages.page_bounds(k, far_page, cache_seqlens=seqlens, block_table=block_table,
-                                               keys_rotated=keys_rotated, rope=rope, k_scale=k_scale)
-        q_far = far_pages.far_queries(q, rope, seqlens, window=window, max_len=max_len,
-                                      queries_rotated=queries_rotated)
-        return far_pages.select_pages(q_far, far_bounds, seqlens, max_len=max_len, n_q=n_q, span=span,
-                                      far_page=far_page, num_slots=slots, scale=args["softmax_scale"] * alpha,
-                                      block_table=block_table, rank=far_rank, keys=k, keys_rotated=keys_rotated,
-                                      rope=rope, k_scale=k_scale)
+            far_bounds = far_pages.page_bounds(k, far_page, cache_seqlens=cache.cache_seqlens,
+                                               block_table=cache.block_table, keys_rotated=cache.keys_rotated,
+                                               rope=rope, k_scale=cache.k_scale)
+        q_far = far_pages.far_queries(q, rope, cache.cache_seqlens, window=op["window"], max_len=cache.max_len,
+                                      queries_rotated=op["queries_rotated"])
+        return far_pages.select_pages(q_far, far_bounds, cache, span=span, far_page=far_page, num_slots=slots,
+                                      scale=op["softmax_scale"] * options.alpha, rank=options.far_rank)
+
+
+def _check_far_bounds(far_bounds, cache: KeyCache, far_page: int, q) -> None:
+    """``far_bounds``: None, or the page bounds of ``cache`` (see :mod:`fold.far_pages`) on q's device."""
+    if far_bounds is None:
+        return
+    if not isinstance(far_bounds, torch.Tensor):
+        raise TypeError(f"far_bounds must be a float32 tensor or None, got {type(far_bounds).__name__}")
+    k = cache.k
+    want = ((k.shape[0], k.shape[2], 2, k.shape[3]) if cache.block_table is not None
+            else (q.shape[0], -(-cache.max_len // far_page), k.shape[2], 2, k.shape[3]))
+    if tuple(far_bounds.shape) != want:
+        raise ValueError(f"far_bounds must have shape {list(want)} (see fold.far_pages), got {tuple(far_bounds.shape)}")
+    if far_bounds.dtype != torch.float32:
+        raise TypeError(f"far_bounds must be float32, got {far_bounds.dtype}")
+    if far_bounds.device != q.device:
+        raise ValueError(f"far_bounds must be on q's device {q.device}, got {far_bounds.device}")
 
 
 def validate_cache_scale(name, x) -> float:
     """An FP8 cache's dequantization scale: None (1.0) or a finite float > 0."""
-    if x is None:
-        return 1.0
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None (a float, not a tensor: it is a launch "
-                        f"argument), got {type(x).__name__}")
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {x}")
-    return float(x)
+    if isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a real number or None (a float, not a tensor: it is a launch argument), "
+                        "got Tensor")
+    x = check_float(name, x, 0, open_low=True, none_ok=True)
+    return 1.0 if x is None else x
 
 
 def check_tensor(name, x, shape_doc):
@@ -307,51 +273,42 @@ def check_forward_only(tensors) -> None:
                              "require grad; call them under torch.no_grad() or pass detached tensors")
 
 
-def _validate(q, k, v, window, rope, alpha, cache_seqlens, block_table, keys_rotated, softmax_scale, return_lse,
-              backend, check_ranges) -> dict:
+def _validate(q, k, v, *, window, rope, cache_seqlens, block_table, softmax_scale, backend, check_ranges,
+              sliding_window) -> dict:
+    """The tensors and scalars of a call, checked -> the arguments of ``fold::attention`` they give, by name."""
     batch, n_q, heads_q, head_dim, max_len, heads_kv = validate_query_and_cache(
         q, k, v, q_doc="[batch, n_q, heads_q, head_dim]", block_table=block_table, fp8_cache=True)
     if max_len < n_q:
         raise ValueError(f"the cache must hold at least n_q={n_q} entries (the block's own), got max_len={max_len}")
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"window must be an int, got {type(window).__name__}")
-    if window < 0:
-        raise ValueError(f"window must be >= 0, got {window}")
+    window = check_int("window", window, 0)
     if not isinstance(rope, Rope):
         raise TypeError(f"rope must be a fold.Rope, got {type(rope).__name__}")
     if rope.rotary_dim > head_dim:
         raise ValueError(f"rope.rotary_dim={rope.rotary_dim} must be <= head_dim={head_dim}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-    if not (math.isfinite(alpha) and 1 <= alpha <= MAX_ALPHA):
-        raise ValueError(f"alpha must be finite and in [1, {MAX_ALPHA:g}], got {alpha}")
+    sliding_window = check_int("sliding_window", sliding_window, none_ok=True)
+    if sliding_window is not None and sliding_window < n_q:
+        raise ValueError(f"sliding_window must be >= n_q={n_q} (the block must fit in the layer's window), "
+                         f"got {sliding_window}")
     softmax_scale = validate_scale(softmax_scale, head_dim)
-    for name, flag in (("keys_rotated", keys_rotated), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     backend = resolve_backend(backend, q)
     cache_seqlens = validate_seqlens(cache_seqlens, block_table, k, batch, max_len, q.device, check_ranges,
                                      minimum=n_q, lower=f"n_q={n_q}",
                                      why=" (each sequence holds the block's own n_q entries)")
-    return dict(q=q, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-                backend=backend)
+    return dict(q=q, k=k, v=v, inv_freq=rope.inv_freq_on(q.device), cache_seqlens=cache_seqlens,
+                block_table=block_table, window=window, softmax_scale=softmax_scale, rotary_dim=rope.rotary_dim,
+                interleaved=rope.interleaved, attention_factor=rope.attention_factor, backend=backend,
+                sliding_window=-1 if sliding_window is None else sliding_window)
 
 
 def validate_scale(softmax_scale, head_dim) -> float:
-    if softmax_scale is None:
-        return head_dim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
-    return float(softmax_scale)
+    """``softmax_scale``: None (``head_dim ** -0.5``) or a finite float > 0."""
+    softmax_scale = check_float("softmax_scale", softmax_scale, 0, open_low=True, none_ok=True)
+    return head_dim ** -0.5 if softmax_scale is None else softmax_scale
 
 
 def resolve_backend(backend, q) -> str:
     """``"auto"`` -> triton on CUDA, torch otherwise; checks that the choice can run ``q``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
+    if check_choice("backend", backend, BACKENDS) == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "triton":
         if q.dtype not in TRITON_DTYPES:
@@ -380,7 +337,7 @@ def validate_seqlens(cache_seqlens, block_table, k, batch, max_len, device, chec
         _range_checks_wanted(check_ranges, device)
         return None
     if isinstance(cache_seqlens, (list, tuple)):
-        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cache_seqlens):
+        if not all(is_int(x) for x in cache_seqlens):
             raise TypeError("cache_seqlens must hold ints")
         cache_seqlens = torch.tensor(cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fold.checks import check_bool
 from fold.fold_attention import check_tensor, resolve_backend, validate_query_and_cache, validate_scale, validate_seqlens
 
 
@@ -57,8 +58,7 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, tree_mask, *, cache_seql
     if tuple(tree_mask.shape) != (batch, n_tree, n_tree) or tree_mask.device != q.device:
         raise ValueError(f"tree_mask must have shape [batch, n_tree, n_tree] = {(batch, n_tree, n_tree)} on "
                          f"{q.device}, got {tuple(tree_mask.shape)} on {tree_mask.device}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     softmax_scale = validate_scale(softmax_scale, head_dim)
     backend = resolve_backend(backend, q)
     cache_seqlens = validate_seqlens(cache_seqlens, block_table, k_cache, batch, max_len, q.device, check_ranges,

@@ -46,35 +46,27 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
     """Validated inputs (see ``fold.attention``; ``sliding_window = -1`` for none; ``far_pages [B, Hkv, K]``
     int32 the far pages to read, from :func:`fold.far_pages.select_pages`, of ``far_page`` entries) ->
     ``(out, lse)``, lse natural log."""
-    sliding = None if sliding_window < 0 else sliding_window
+    read = dict(window=window, alpha=alpha, softmax_scale=softmax_scale, keys_rotated=keys_rotated, return_lse=True,
+                block_table=block_table, far_per_row=far_per_row, queries_rotated=queries_rotated, read_far=read_far,
+                sliding_window=None if sliding_window < 0 else sliding_window, causal=causal, k_scale=k_scale,
+                v_scale=v_scale, far_pages=far_pages, far_page=far_page)
     if backend == "torch":
         from fold.torch_path import fold_attention_torch
 
         return fold_attention_torch(q, k, v, _rope(inv_freq, rotary_dim, interleaved, attention_factor),
-                                    cache_seqlens, window=window, alpha=alpha, softmax_scale=softmax_scale,
-                                    keys_rotated=keys_rotated, return_lse=True, block_table=block_table,
-                                    far_per_row=far_per_row, queries_rotated=queries_rotated, read_far=read_far,
-                                    sliding_window=sliding, causal=causal, k_scale=k_scale, v_scale=v_scale,
-                                    far_pages=far_pages, far_page=far_page)
+                                    cache_seqlens, **read)
     from fold.config_lookup import config_for
     from fold.kernels.fold_attention import fold_attention_fwd
 
     q, k, v = _unit_stride(q, k, v)
     config = config_for(q, k, keys_rotated, block_table=block_table)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        return fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, window=window, alpha=alpha,
-                                  softmax_scale=softmax_scale, rotary_dim=rotary_dim, interleaved=interleaved,
-                                  attention_factor=attention_factor, keys_rotated=keys_rotated, return_lse=True,
-                                  config=config, block_table=block_table, far_per_row=far_per_row,
-                                  queries_rotated=queries_rotated, read_far=read_far, sliding_window=sliding,
-                                  causal=causal, k_scale=k_scale, v_scale=v_scale, far_pages=far_pages,
-                                  far_page=far_page)
+        return fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, rotary_dim=rotary_dim, interleaved=interleaved,
+                                  attention_factor=attention_factor, config=config, **read)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, inv_freq, cache_seqlens, block_table, window, alpha, softmax_scale, rotary_dim,
-                    interleaved, attention_factor, keys_rotated, far_per_row, queries_rotated, backend, read_far,
-                    sliding_window, causal, k_scale, v_scale, far_pages=None, far_page=0):
+def _attention_fake(q, *args, **kwargs):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))
 
 
@@ -101,6 +93,5 @@ def tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 @tree_attention_op.register_fake
-def _tree_attention_fake(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seqlens, block_table, softmax_scale,
-                         backend):
+def _tree_attention_fake(q, *args, **kwargs):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work_dtype(q.dtype))

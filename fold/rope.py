@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
+
+from fold.checks import check_bool, check_float, check_int
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,22 +44,14 @@ class Rope:
             raise ValueError(f"inv_freq must have shape [rotary_dim / 2] with at least one entry, got {tuple(inv_freq.shape)}")
         if not inv_freq.is_floating_point() or not bool(torch.isfinite(inv_freq).all()):
             raise ValueError("inv_freq must hold finite floating-point values")
-        if rotary_dim is None:
-            rotary_dim = 2 * inv_freq.numel()
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-            raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+        rotary_dim = 2 * inv_freq.numel() if rotary_dim is None else check_int("rotary_dim", rotary_dim)
         if rotary_dim <= 0 or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
         if rotary_dim != 2 * inv_freq.numel():
             raise ValueError(f"rotary_dim={rotary_dim} needs inv_freq of shape [{rotary_dim // 2}], "
                              f"got {tuple(inv_freq.shape)}")
-        if not isinstance(interleaved, bool):
-            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
-        if isinstance(attention_factor, bool) or not isinstance(attention_factor, numbers.Real):
-            raise TypeError(f"attention_factor must be a real number, got {type(attention_factor).__name__}")
-        attention_factor = float(attention_factor)
-        if not (math.isfinite(attention_factor) and attention_factor > 0):
-            raise ValueError(f"attention_factor must be finite and > 0, got {attention_factor}")
+        check_bool("interleaved", interleaved)
+        attention_factor = check_float("attention_factor", attention_factor, 0, open_low=True)
         self.inv_freq = inv_freq.detach().to(device="cpu", dtype=torch.float32).contiguous()
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
@@ -70,17 +63,11 @@ class Rope:
     @classmethod
     def from_theta(cls, theta: float, head_dim: int, rotary_dim: int | None = None) -> Rope:
         """Standard RoPE: ``inv_freq[i] = theta ** (-2i / rotary_dim)``; ``rotary_dim`` defaults to ``head_dim``."""
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
-        rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-            raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+        head_dim = check_int("head_dim", head_dim, 1, expected="a positive int")
+        rotary_dim = head_dim if rotary_dim is None else check_int("rotary_dim", rotary_dim)
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
-        if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
-            raise TypeError(f"theta must be a real number, got {type(theta).__name__}")
-        if not (math.isfinite(theta) and theta > 1):
-            raise ValueError(f"theta must be finite and > 1, got {theta}")
+        theta = check_float("theta", theta, 1, open_low=True)
         return cls(theta_inv_freq(theta, rotary_dim), rotary_dim=rotary_dim)
 
     @classmethod
@@ -152,6 +139,14 @@ class Rope:
     def __repr__(self) -> str:
         return (f"Rope(rotary_dim={self.rotary_dim}, interleaved={self.interleaved}, "
                 f"attention_factor={self.attention_factor})")
+
+
+def rerope_scale(lengths: torch.Tensor, n_q: int, training_length: int, dtype=torch.float32) -> torch.Tensor:
+    """ReRoPE's query scale ``max(1, log(p + 1) / log(training_length))`` at a block's rows' true positions
+    ``p = length - n_q + r`` (``lengths [batch]``: each sequence's entries, the block's included; padding
+    rows before position 0 take 1): ``[batch, n_q]`` in ``dtype``, formed in float64."""
+    p = lengths.to(torch.float64)[:, None] - n_q + torch.arange(n_q, device=lengths.device, dtype=torch.float64)
+    return (torch.log((p + 1).clamp(min=1)) / math.log(training_length)).clamp(min=1.0).to(dtype)
 
 
 def theta_inv_freq(theta: float, dim: int, count: int | None = None) -> torch.Tensor:

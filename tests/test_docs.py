@@ -42,7 +42,8 @@ def test_every_relative_link_resolves(doc):
 
 
 PATH_IN_CODE = re.compile(r"`([\w.\-]+(?:/[\w.\-<>]*)+)`")
-ROOTS = ("fold/", "reference/", "tests/", "tuning/", "benchmarks/", "examples/", "docs/", ".ci/")
+# every top-level folder of the repository (a path README names under any of them must exist)
+ROOTS = ("fold/", "reference/", "tests/", "tuning/", "benchmarks/", "tools/", "results/", "examples/", "docs/", ".ci/")
 
 
 def test_readme_names_only_files_that_exist():
@@ -71,9 +72,10 @@ def test_the_loop_is_not_called_spec():
 
 
 def _long_functions(limit: int = 80) -> list[str]:
-    """Functions (methods included) whose body, docstring left out, holds more than ``limit`` non-blank
-    lines, in every Python file of the repository outside virtual environments; ``@triton.jit``
-    kernels are exempt (a kernel's loop is one stage)."""
+    """Functions (methods included) whose body, docstring left out, spans more than ``limit`` lines
+    (every line after the signature and the docstring counts: code, comments and blank lines), in every
+    Python file of the repository outside virtual environments; ``@triton.jit`` kernels are exempt (a
+    kernel's loop is one stage)."""
     import ast
 
     found = []
@@ -89,9 +91,13 @@ def _long_functions(limit: int = 80) -> list[str]:
             if any("jit" in ast.unparse(d) for d in node.decorator_list):
                 continue
             body = node.body
+            first = body[0].lineno                      # the body's first line (comments above it included)
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and len(body) > 1:
-                body = body[1:]
-            count = sum(1 for line in lines[body[0].lineno - 1:node.end_lineno] if line.strip())
+                first = body[0].end_lineno + 1          # the line after the docstring
+            else:
+                while first - 1 > node.lineno and lines[first - 2].strip().startswith("#"):
+                    first -= 1
+            count = node.end_lineno - first + 1
             if count > limit:
                 found.append(f"{rel}:{node.lineno} {node.name} ({count} lines)")
     return found
@@ -106,3 +112,12 @@ def test_the_length_rule_sees_a_long_function(tmp_path, monkeypatch):
     (tmp_path / "short.py").write_text("def g():\n" + "    x = 1\n" * 80)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _long_functions() == ["long.py:1 f (81 lines)"]
+
+
+def test_the_length_rule_counts_comments_and_blank_lines_but_not_the_docstring(tmp_path, monkeypatch):
+    body = "    # a comment\n\n" + "    x = 1\n\n" * 39 + "    x = 1\n"    # 81 lines, 40 of them code
+    (tmp_path / "airy.py").write_text("def f(\n    a,\n):\n    '''a\n    long\n    doc'''\n" + body)
+    (tmp_path / "documented.py").write_text("def g():\n    '''a\n" + "    doc line\n" * 200 + "    '''\n"
+                                            + "    x = 1\n" * 80)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _long_functions() == ["airy.py:1 f (81 lines)"]

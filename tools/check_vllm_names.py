@@ -871,6 +871,64 @@ def check_required(tree: Tree, report: Report) -> None:
             check_member(tree, report, cls, attr, kind, label, reason)
 
 
+def rotary_uses(fn: ast.FunctionDef) -> tuple[list[tuple], set[str]]:
+    """``(uses, branches)`` of one function of fold/vllm/models.py: each ``rotary_emb.X`` it reads or
+    calls as ``(kind, attr, node, is_call)``, ``kind`` the class name of the ``if kind == "Name":`` branch
+    it stands in (None outside one), and the class names those branches name."""
+    uses, branches = [], set()
+
+    def visit(node, kind):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
+                and node.test.left.id == "kind" and isinstance(node.test.comparators[0], ast.Constant)):
+            branches.add(node.test.comparators[0].value)
+            for child in node.body:
+                visit(child, node.test.comparators[0].value)
+            for child in node.orelse:
+                visit(child, kind)
+            return
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id == "rotary_emb":
+            uses.append((kind, node.func.attr, node, True))
+            for child in node.args + [k.value for k in node.keywords]:
+                visit(child, kind)
+            return
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "rotary_emb":
+            uses.append((kind, node.attr, node, False))
+        for child in ast.iter_child_nodes(node):
+            visit(child, kind)
+
+    for stmt in fn.body:
+        visit(stmt, None)
+    return uses, branches
+
+
+def check_rotary_call(tree: Tree, report: Report, cls: Found, call: ast.Call, label: str, at: str,
+                      reproduced: bool) -> None:
+    """Whether fold's ``call`` binds to the method it names on ``cls``, each positional argument
+    naming its parameter; ``reproduced``: fold reproduces this class (a branch names it, or the base),
+    so a mismatch is a DIFF or BREAKS, else rope_of refuses a drafter with it (info)."""
+    attr = call.func.attr
+    hit = find_member(tree, cls, attr)
+    if hit is None or hit[1] != "method":
+        report.add("MISSING", label, f"no method {attr} on it or its bases ({at})")
+        return
+    owner, _, method = hit
+    why = bind(method, call)
+    params = [p for p, k, _ in bound_params(method) if k in ("pos", "posonly")]
+    meant = [p for p, arg in zip(params, call.args) if p not in
+             {n.attr for n in ast.walk(arg) if isinstance(n, ast.Attribute)}
+             | {n.id for n in ast.walk(arg) if isinstance(n, ast.Name)}]
+    text = f"{owner.module}.{owner.node.name}:{method.lineno} {render(method)}; fold calls {flat(call, 70)}"
+    problem = why or (f"fold's argument does not name its parameter {meant}" if meant else "")
+    if not problem:
+        report.add("ok", label, f"{text} ({at})")
+    elif reproduced:
+        report.add("BREAKS" if why else "DIFF", label, f"{problem}: {text} ({at})")
+    else:
+        report.add("info", label, f"{problem}, so rope_of refuses a drafter with this embedding "
+                                  f"({'TypeError' if why else 'its table check'}): {text} ({at})")
+
+
 def check_rope(tree: Tree, fold: FoldSide, report: Report) -> None:
     """Every ``rotary_emb.X`` fold/vllm/models.py reads or calls, on the class its ``if kind == "Name":``
     branch names (``kind = type(rotary_emb).__name__``), else on the base RotaryEmbedding; a call outside a
@@ -884,40 +942,17 @@ def check_rope(tree: Tree, fold: FoldSide, report: Report) -> None:
     package = [(m, n) for m in sorted(f[:-3].replace("/", ".").removesuffix(".__init__") for f in tree.files
                                       if f.startswith(ROPE.replace(".", "/") + "/"))
                for n in (tree.tree(m).body if tree.tree(m) else []) if isinstance(n, ast.ClassDef)]
+    inherited = {k.node for k in mro(tree, base)}
     for fn in fold.files[path].body:
         if not isinstance(fn, ast.FunctionDef) or "rotary_emb" not in [a.arg for a in fn.args.args]:
             continue
-        uses, branches = [], set()
-
-        def visit(node, kind):
-            if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
-                    and node.test.left.id == "kind" and isinstance(node.test.comparators[0], ast.Constant)):
-                branches.add(node.test.comparators[0].value)
-                for child in node.body:
-                    visit(child, node.test.comparators[0].value)
-                for child in node.orelse:
-                    visit(child, kind)
-                return
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    isinstance(node.func.value, ast.Name) and node.func.value.id == "rotary_emb":
-                uses.append((kind, node.func.attr, node, True))
-                for child in node.args + [k.value for k in node.keywords]:
-                    visit(child, kind)
-                return
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "rotary_emb":
-                uses.append((kind, node.attr, node, False))
-            for child in ast.iter_child_nodes(node):
-                visit(child, kind)
-
-        for stmt in fn.body:
-            visit(stmt, None)
+        uses, branches = rotary_uses(fn)
         seen = set()
         for kind, attr, node, is_call in uses:
             key = (kind, attr, ast.unparse(node) if is_call else None)
             if key in seen:
                 continue
             seen.add(key)
-            call = node if is_call else None
             at = f"models.{fn.name}, {where(path, fold.root, node.lineno)}" + (f", {kind!r} branch" if kind else "")
             if kind:
                 targets = [find_class(tree, ROPE, kind)]
@@ -927,36 +962,17 @@ def check_rope(tree: Tree, fold: FoldSide, report: Report) -> None:
                         report.add("MISSING", f"{ROPE} class {kind}", f"no class of that name: fold matches "
                                                                       f"type(rotary_emb).__name__ ({at})")
                     continue
-            elif call:
-                inherited = {k.node for k in mro(tree, base)}
+            elif is_call:
                 targets = [base] + [Found("class", m, n) for m, n in package if n.name not in branches
                                     and own_members(n).get(attr, ("",))[0] == "method" and n not in inherited]
             else:
                 targets = [base]
             for cls in targets:
                 label = f"{cls.module}.{cls.node.name}.{attr}"
-                if call is None:
+                if is_call:
+                    check_rotary_call(tree, report, cls, node, label, at, reproduced=bool(kind) or cls is base)
+                else:
                     check_member(tree, report, cls, attr, "member", label, at)
-                    continue
-                hit = find_member(tree, cls, attr)
-                if hit is None or hit[1] != "method":
-                    report.add("MISSING", label, f"no method {attr} on it or its bases ({at})")
-                    continue
-                owner, _, method = hit
-                why = bind(method, call)
-                params = [p for p, k, _ in bound_params(method) if k in ("pos", "posonly")]
-                meant = [p for p, arg in zip(params, call.args) if p not in
-                         {n.attr for n in ast.walk(arg) if isinstance(n, ast.Attribute)}
-                         | {n.id for n in ast.walk(arg) if isinstance(n, ast.Name)}]
-                text = f"{owner.module}.{owner.node.name}:{method.lineno} {render(method)}; fold calls {flat(call, 70)}"
-                problem = why or (f"fold's argument does not name its parameter {meant}" if meant else "")
-                if not problem:
-                    report.add("ok", label, f"{text} ({at})")
-                elif kind or cls is base:                          # a class fold reproduces
-                    report.add("BREAKS" if why else "DIFF", label, f"{problem}: {text} ({at})")
-                else:                                              # fold does not reproduce it: rope_of refuses it
-                    report.add("info", label, f"{problem}, so rope_of refuses a drafter with this embedding "
-                                              f"({'TypeError' if why else 'its table check'}): {text} ({at})")
 
 
 def check_attributes(tree: Tree, fold: FoldSide, report: Report) -> None:

@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks.workloads import DRAFTERS, PROVIDERS, flash_available, fold_call
 from fold.argtypes import positive
 import fold
 from fold import config_lookup
 from fold.kernels.fold_attention import FoldConfig, config_space, split_counts
 from tuning.tune import drafter_classes
-from tuning.workloads import DRAFTERS, PROVIDERS, flash_available, fold_call
 
 SECTIONS = ("env", "precompile", "verify", "copy_bandwidth", "fused_read", "graphs", "tune", "fused_read_tuned")
 # the longer sequence takes 128 splits of 16-entry tiles (split_counts), the shorter leaves some empty
@@ -127,8 +127,7 @@ def fused_read_table(drafters, lengths, log, deadline) -> list[dict]:
                 log(f"  fused read: out of time before {name} L={length}")
                 return rows
             row = dict(drafter=name, length=length, full=full_name, paper=paper_name)
-            cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
-                             heads_kv=shape.heads_kv, window=shape.window)
+            cls = ShapeClass(shape)
             inputs = input_copies(cls, length, "cuda")                    # cold: copies beyond twice the L2
             for keys_rotated in (False, True):
                 layout = "rot" if keys_rotated else "unrot"
@@ -154,7 +153,7 @@ def graph_check(log) -> dict:
     """Replay of a captured fold.attention / fold.tree_attention equals eager, before and after the
     inputs change in place."""
     from tools.verify_configs import make_tree_case
-    from tuning.workloads import make_inputs
+    from benchmarks.workloads import make_inputs
 
     out = {}
     shape = DRAFTERS["llama3.1-8b"]

@@ -1,9 +1,11 @@
 """``python -m tools.static_report``: what the kernels cost in registers, spills and shared memory, without a GPU.
 
 Each Triton launch fold would make for a shape is recorded by running the real launcher on ``meta``
-tensors with ``JITFunction.run`` replaced by a recorder (so the arguments, constexprs and launch
-options are exactly the launcher's), then compiled for a target (default ``sm_90``, the H200) with
-Triton's own compiler and the ``ptxas``/``cuobjdump``/``nvdisasm`` shipped in the triton wheel:
+tensors inside ``fold.kernels.launch.recorded()`` (the door every launch of fold goes through, so the
+arguments, constexprs and launch options are exactly the launcher's), then compiled for a target
+(default ``sm_90``, the H200) with Triton's public compiler (``triton.compile`` of an ``ASTSource``,
+specialised as Triton's JIT specialises a launch) and the ``ptxas``/``cuobjdump``/``nvdisasm`` shipped
+in the triton wheel:
 
 - ``registers``: ``REG`` from ``cuobjdump -res-usage``;
 - ``spill_stores`` / ``spill_loads``: ``STL`` / ``LDL`` instructions in the SASS (local memory is
@@ -35,68 +37,60 @@ import triton
 
 from fold.argtypes import positive
 from fold.config_lookup import SHARED_BYTES_PER_SM, SHARED_RESERVED_PER_CTA
+from fold.kernels.launch import Launch, recorded
 
 H200_SMS = 132
 TRITON_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-@dataclasses.dataclass
-class Launch:
-    """One recorded kernel launch: the JIT function, its arguments, its grid."""
-
-    kernel: object
-    args: tuple
-    kwargs: dict
-    grid: tuple
-
-    @property
-    def name(self) -> str:
-        return self.kernel.fn.__name__
-
-
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[Launch]]:
-    """Inside the block, every ``kernel[grid](...)`` is recorded instead of run (no device needed)."""
-    from triton.runtime.jit import JITFunction
-
+    """Inside the block, every launch of fold's launchers is recorded instead of run (no device needed)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("the static report compiles kernels; run it with TRITON_INTERPRET unset "
                            "(see inspect_in_subprocess)")
-    seen: list[Launch] = []
-    real = JITFunction.run
-
-    def record(self, *args, grid, warmup, **kwargs):
-        seen.append(Launch(self, args, kwargs, tuple(grid) if not callable(grid) else grid))
-
-    JITFunction.run = record
-    try:
+    with recorded() as seen:
         yield seen
-    finally:
-        JITFunction.run = real
+
+
+def _specialised(kernel, backend, bound_args: dict, specialization: list) -> tuple[dict, dict, dict]:
+    """What Triton's JIT derives from a launch's specialisation before it compiles: the signature
+    ``{parameter: type}``, the constexprs ``{(index,): value}`` and the attributes ``{(index,): [...]}``
+    (16-byte alignment, ints equal to 1). fold's kernels take no tuple parameters."""
+    values = list(bound_args.values())
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, (kind, attr)) in enumerate(zip(kernel.params, specialization)):
+        if isinstance(kind, tuple):
+            raise ValueError(f"{kernel.fn.__name__}: tuple parameter {param.name} is not supported")
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)], attr = values[i], ""
+        if isinstance(attr, str):
+            attrs[(i,)] = backend.parse_attr(attr)
+    return signature, constexprs, attrs
 
 
 def compile_launch(launch: Launch, arch: int = 90):
     """Compile a recorded launch for ``sm_<arch>`` as Triton would at that launch (same signature,
     specialisation on 16-byte alignment and on ints equal to 1, constexprs and options)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     kernel = launch.kernel
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    # the options JITFunction.run adds, so that a compile here is a cache hit for a later launch
+    # the options a launch adds, so that a compile here is a cache hit for a later launch
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
     for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
         if hasattr(knobs.compilation, name):
             kwargs[name] = getattr(knobs.compilation, name)
-    bound_args, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    bound_args, specialization, _ = binder(*launch.args, **kwargs)
+    signature, constexprs, attrs = _specialised(kernel, backend, bound_args, specialization)
+    options = backend.parse_options(kwargs)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
@@ -251,7 +245,7 @@ def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads
     at each length (its cached read and the tree kernel), and with ``serving`` the reads of
     :data:`SERVING` as ``fold.vllm`` launches them (the shape's own KV heads, rotated queries and keys,
     pages of :data:`SERVE_PAGE`)."""
-    from tuning.workloads import DRAFTERS
+    from benchmarks.workloads import DRAFTERS
 
     items = []
     for name in drafters or DRAFTERS:
@@ -398,7 +392,7 @@ def compile_read(spec: dict) -> list[dict]:
     ``seqlens`` (whether cache_seqlens is passed), ``batch``, ``arch``. Returns one
     ``{kernel, registers, spill_stores, spill_loads}`` per launch."""
     from fold.kernels.fold_attention import FoldConfig
-    from tuning.workloads import DrafterShape
+    from benchmarks.workloads import DrafterShape
 
     dtype = getattr(torch, spec["dtype"])
     shape = DrafterShape("spec", n_q=spec["n_q"], heads_q=spec["heads_q"], heads_kv=spec["heads_kv"],
@@ -424,7 +418,7 @@ def compile_read(spec: dict) -> list[dict]:
 # --- the command line ---------------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    from tuning.workloads import DRAFTERS
+    from benchmarks.workloads import DRAFTERS
 
     p = argparse.ArgumentParser(prog="python -m tools.static_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

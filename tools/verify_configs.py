@@ -13,19 +13,19 @@ from collections.abc import Sequence
 
 import torch
 
+from benchmarks.workloads import DrafterShape, make_inputs
 import fold
 from fold.config_lookup import use_config
 from fold.kernels.fold_attention import FoldConfig, config_space
 from fold.spec_decode.tree import tree_mask
 from reference import fold_attention_ref, tree_attention_ref
 from reference.tolerance import check_close
-from tuning.workloads import DrafterShape, make_inputs
 
 
 def make_case(*, n_q=10, group=4, heads_kv=2, head_dim=128, lengths=(3000, 1234), window=64, alpha=2.0,
               dtype=torch.bfloat16, keys_rotated=False, device="cpu", seed=0):
     """A varlen batch with NaN padding, in ``dtype`` on ``device``; returns (inputs, kwargs). The
-    inputs are the benchmarks' (:func:`tuning.workloads.make_inputs`); odd seeds use partial RoPE."""
+    inputs are the benchmarks' (:func:`benchmarks.workloads.make_inputs`); odd seeds use partial RoPE."""
     shape = DrafterShape("verify", n_q=n_q, heads_q=heads_kv * group, heads_kv=heads_kv, head_dim=head_dim,
                          window=window, rope_theta=10000.0, rotary_dim=head_dim // 2 if seed % 2 else head_dim)
     x = make_inputs(shape, max(lengths), batch=len(lengths), dtype=dtype, device=device, keys_rotated=keys_rotated,

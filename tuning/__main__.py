@@ -23,7 +23,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parser() -> argparse.ArgumentParser:
-    from tuning.workloads import DRAFTERS
+    from benchmarks.workloads import DRAFTERS
 
     buckets = [2**i for i in range(10, 19)]
     parser = argparse.ArgumentParser(prog="python -m tuning", description=__doc__,

@@ -27,7 +27,7 @@ import os
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ import fold
 from fold import config_lookup
 from fold.config_lookup import class_key, config_from_tile, heuristic_tile, shape_key
 from fold.kernels.fold_attention import TILE_FIELDS, FoldConfig, config_space, split_counts
-from tuning.workloads import DrafterShape, fold_call, make_inputs
+from benchmarks.workloads import DrafterShape, fold_call, make_inputs
 
 Timer = Callable[[FoldConfig, Sequence[Callable[[], object]]], float]
 SpillCheck = Callable[["ShapeClass", Sequence[tuple]], dict]   # (class, tiles) -> {tile: spill instructions}
@@ -46,14 +46,19 @@ BUCKETS = tuple(2**i for i in range(10, 19))          # 1K ... 256K
 
 @dataclass(frozen=True)
 class ShapeClass:
-    head_dim: int = 128
-    group: int = 4
-    n_q: int = 10
+    """A drafter's attention shape (:class:`~benchmarks.workloads.DrafterShape`) read in one dtype and key
+    layout; the cache key takes ``head_dim``, the GQA group, ``n_q``, dtype and layout (``heads_kv``,
+    ``window`` and ``batch`` serve timing and the split model only)."""
+    shape: DrafterShape
     dtype: str = "bfloat16"
     keys_rotated: bool = False
-    heads_kv: int = 8            # for timing (and the split model) only; not part of the key
-    window: int = 2048
-    batch: int = 1               # likewise
+    batch: int = 1
+
+    head_dim = property(lambda self: self.shape.head_dim)
+    n_q = property(lambda self: self.shape.n_q)
+    heads_kv = property(lambda self: self.shape.heads_kv)
+    window = property(lambda self: self.shape.window)
+    group = property(lambda self: self.shape.heads_q // self.shape.heads_kv)
 
     def key(self, length: int) -> str:
         return shape_key(head_dim=self.head_dim, group=self.group, n_q=self.n_q, dtype=getattr(torch, self.dtype),
@@ -65,10 +70,6 @@ class ShapeClass:
         return class_key(head_dim=self.head_dim, group=self.group, n_q=self.n_q, dtype=getattr(torch, self.dtype),
                          keys_rotated=self.keys_rotated)
 
-    def drafter(self) -> DrafterShape:
-        return DrafterShape("tuned", n_q=self.n_q, heads_q=self.heads_kv * self.group, heads_kv=self.heads_kv,
-                            head_dim=self.head_dim, window=self.window)
-
     def config(self, tile: tuple, length: int, sms: int, splits: int | None = None) -> FoldConfig:
         """``tile`` with the split model's count (or ``splits``) for this class at ``length``."""
         config = config_from_tile(tile, batch=self.batch, heads_kv=self.heads_kv, n_q=self.n_q, group=self.group,
@@ -79,17 +80,16 @@ class ShapeClass:
 
 def drafter_classes(drafters: Sequence[str], dtypes: Sequence[str] = ("bfloat16",),
                     layouts: Sequence[bool] = (False, True)) -> list[ShapeClass]:
-    """One class per distinct cache class key among the named drafter shapes (``tuning.workloads.DRAFTERS``)
+    """One class per distinct cache class key among the named drafter shapes (``benchmarks.workloads.DRAFTERS``)
     x dtypes x key layouts (``keys_rotated``); n_q 7 and 8 share one."""
-    from tuning.workloads import DRAFTERS
+    from benchmarks.workloads import DRAFTERS
 
     classes = {}
     for name in drafters:
         shape = DRAFTERS[name]
         for dtype in dtypes:
             for keys_rotated in layouts:
-                cls = ShapeClass(head_dim=shape.head_dim, group=shape.heads_q // shape.heads_kv, n_q=shape.n_q,
-                                 dtype=dtype, keys_rotated=keys_rotated, heads_kv=shape.heads_kv, window=shape.window)
+                cls = ShapeClass(shape, dtype=dtype, keys_rotated=keys_rotated)
                 classes.setdefault(cls.class_key, cls)
     return list(classes.values())
 
@@ -105,7 +105,7 @@ def plan(cls: ShapeClass, lengths: Sequence[int], top_k: int = 3,
     tile, the winner's other split counts)."""
     tiles = [t for t in _tiles(config_space(cls.n_q * cls.group, cls.head_dim)) if keep_tile is None or keep_tile(t)]
     smallest_n = min((t[1] for t in tiles), default=16)
-    return dict(shape_class=cls.__dict__, tiles=len(tiles), top_k=top_k,
+    return dict(shape_class=dict(asdict(cls.shape), dtype=cls.dtype, keys_rotated=cls.keys_rotated), tiles=len(tiles), top_k=top_k,
                 buckets={cls.key(n): min(top_k, len(tiles)) + 1 + len(split_counts(n, smallest_n)) - 1
                          for n in lengths})
 
@@ -116,7 +116,7 @@ def static_spills(arch: int) -> SpillCheck:
     from tools import static_report
 
     def spills(cls: ShapeClass, tiles: Sequence[tuple]) -> dict:
-        return static_report.stage1_spills(cls.drafter(), cls.keys_rotated, tiles, arch=arch)
+        return static_report.stage1_spills(cls.shape, cls.keys_rotated, tiles, arch=arch)
     return spills
 
 
@@ -159,11 +159,11 @@ def _calls(cls: ShapeClass, config: FoldConfig, inputs: Sequence[dict]):
 
 
 def input_copies(cls: ShapeClass, length: int, device, l2_bytes: int = 64 << 20, max_copies: int = 8) -> list[dict]:
-    """Distinct inputs of one read of ``cls`` at ``length`` (:func:`tuning.workloads.make_inputs`), as
+    """Distinct inputs of one read of ``cls`` at ``length`` (:func:`benchmarks.workloads.make_inputs`), as
     many as twice the L2 holds (at most ``max_copies``), so timed calls read a cold cache."""
     bytes_per = 2 * length * cls.heads_kv * cls.head_dim * torch.finfo(getattr(torch, cls.dtype)).bits // 8
     copies = max(1, min(max_copies, math.ceil(2 * l2_bytes / bytes_per)))
-    return [make_inputs(cls.drafter(), length, dtype=getattr(torch, cls.dtype), device=device,
+    return [make_inputs(cls.shape, length, dtype=getattr(torch, cls.dtype), device=device,
                         keys_rotated=cls.keys_rotated, seed=i) for i in range(copies)]
 
 

@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fold.rope import theta_inv_freq
-from fold.spec_decode.drafter import MLP, RMSNorm          # the same blocks (they read hidden/intermediate sizes)
+from fold.spec_decode.drafter import MLP, AttentionProjections, RMSNorm   # the same blocks as the drafters
 
 
 class FoldToyConfig(PretrainedConfig):
@@ -105,17 +105,12 @@ def _attend(q, k, v, allowed, scale):
     return o.transpose(1, 2).flatten(2)
 
 
-class LocalAttention(nn.Module):
+class LocalAttention(AttentionProjections):
     """Sliding-window causal attention with RoPE (rotate-half, ``rope_theta``)."""
 
     def __init__(self, cfg: FoldToyConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.write_dims, bias=False)
-        self.heads_q, self.heads_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         out_dim=cfg.write_dims)
         self.window, self.rope_theta = cfg.sliding_window, cfg.rope_theta
 
     def inv_freq(self, device) -> torch.Tensor:

@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fold.kernels.launch import launcher
+
 # Set when the kernels below were decorated under TRITON_INTERPRET=1 (read at decoration time).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -641,7 +643,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     trig = torch.empty(2, rot_block_n, block_d // 2, device=q.device, dtype=torch.float32)
     o_part, lse_part = _partial_states(q, far_splits + win_splits)
     seqlens = cache_seqlens if cache_seqlens is not None else q  # dummy pointers when unused
-    fold_fwd_kernel_prologue[(batch * heads_kv * m_tiles,)](
+    launcher(fold_fwd_kernel_prologue, (batch * heads_kv * m_tiles,))(
         q, inv_freq, seqlens, qw, qf, trig,
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
@@ -702,7 +704,7 @@ def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_pa
     seqlens = cache_seqlens if cache_seqlens is not None else o_part   # dummy pointers when unused
     table = block_table if block_table is not None else lse_part
     pages = far_pages if far_pages is not None else lse_part          # a dummy pointer when unused
-    fold_fwd_kernel_stage1[(batch * heads_kv * consts["M_TILES"], splits)](
+    launcher(fold_fwd_kernel_stage1, (batch * heads_kv * consts["M_TILES"], splits))(
         q, k, v, inv_freq, trig, seqlens, table, pages, o_part, lse_part,
         *q_strides,
         k.stride(0), k.stride(1), k.stride(2),
@@ -725,7 +727,7 @@ def _stage2(o_part, lse_part, q, far_states: int, inv_alpha: float, *, out_dtype
     batch, n_q, heads_q, head_dim = q.shape
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(batch, n_q, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
-    fold_fwd_kernel_stage2[(batch * heads_q * n_q,)](
+    launcher(fold_fwd_kernel_stage2, (batch * heads_q * n_q,))(
         o_part, lse_part, out, lse,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),

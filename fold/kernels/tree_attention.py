@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from fold.kernels.fold_attention import INTERPRETED, LN2, LOG2E, FoldConfig, program_rows, plain_attention_fwd
+from fold.kernels.launch import launcher
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def tree_attention_fwd(q, k_cache, v_cache, k_tree, v_tree, tree_mask, cache_seq
     lse = torch.empty(batch, n_tree, heads_q, device=q.device, dtype=torch.float32) if return_lse else out
     mask = tree_mask.to(torch.int8)
     upcast = INTERPRETED and q.dtype == torch.bfloat16
-    tree_fwd_kernel[(batch * heads_kv * m_tiles,)](
+    launcher(tree_fwd_kernel, (batch * heads_kv * m_tiles,))(
         q, k_tree, v_tree, mask, o_c, lse_c, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),

@@ -127,20 +127,31 @@ class GemmaRMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+class AttentionProjections(nn.Module):
+    """The q/k/v/o projections of an attention layer, named as transformers' checkpoints name them
+    (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``: state dicts load by those names): ``hidden`` ->
+    ``heads_q`` queries and ``heads_kv`` keys and values of ``head_dim``, and back to ``out_dim`` (default
+    ``hidden``). ``bias`` on q, k, v; ``o_bias`` on o; ``shared_kv``: no ``v_proj`` (the values are k's)."""
+
+    def __init__(self, hidden: int, heads_q: int, heads_kv: int, head_dim: int, *, bias: bool = False,
+                 o_bias: bool = False, shared_kv: bool = False, out_dim: int | None = None):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        gemma = cfg.style == "gemma4"
+        self.q_proj = nn.Linear(hidden, heads_q * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, heads_kv * head_dim, bias=bias)
+        self.v_proj = None if shared_kv else nn.Linear(hidden, heads_kv * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads_q * head_dim, hidden if out_dim is None else out_dim, bias=o_bias)
+        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, head_dim
+
+
+class Attention(AttentionProjections):
+    def __init__(self, cfg: DrafterConfig):
+        d, gemma = cfg.head_dim, cfg.style == "gemma4"
+        super().__init__(cfg.hidden_size, cfg.heads_q, cfg.heads_kv, d, bias=cfg.attention_bias,
+                         o_bias=cfg.attention_bias and gemma, shared_kv=cfg.k_eq_v)
         norm = (lambda: GemmaRMSNorm(d, cfg.rms_norm_eps)) if gemma else (lambda: RMSNorm(d, cfg.rms_norm_eps))
-        self.q_proj = nn.Linear(h, cfg.heads_q * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.heads_kv * d, bias=cfg.attention_bias)
-        self.v_proj = None if cfg.k_eq_v else nn.Linear(h, cfg.heads_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.heads_q * d, h, bias=cfg.attention_bias and gemma)
         self.q_norm = norm()
         self.k_norm = norm()
         self.v_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, with_scale=False) if gemma else None
-        self.heads_q, self.heads_kv, self.head_dim = cfg.heads_q, cfg.heads_kv, d
 
     def kv(self, x):
         """Pre-RoPE keys and values of rows ``x [1, T, H]`` -> ``[1, T, heads_kv, d]`` each."""

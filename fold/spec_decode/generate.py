@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from fold.checks import check_bool, check_choice, check_float, check_int, is_int
 from fold.spec_decode.drafter import Drafter
 from fold.spec_decode.glide import GlideDrafter, glide_tree
 from fold.spec_decode.loading import check_fits
@@ -74,18 +74,14 @@ def _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_i
     if bool((valid < 0).any()) or (vocab is not None and bool((valid >= vocab).any())):
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got values in "
                          f"[{int(valid.min())}, {int(valid.max())}]")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    check_int("max_new_tokens", max_new_tokens, 1, expected="a positive int")
+    check_float("temperature", temperature, 0, expected="a finite number >= 0 (0 is greedy)")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if eos_token_id is None:
         return set()
-    ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
-    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    ids = [eos_token_id] if is_int(eos_token_id) else eos_token_id
+    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(i) for i in ids):
         raise TypeError(f"eos_token_id must be an int or a list of ints (token ids, not text), got {eos_token_id!r}")
     bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
     if bad:
@@ -385,8 +381,7 @@ def generate(target, drafter, input_ids: torch.Tensor, *, max_new_tokens: int, p
     """
     eos = _check_common(target, input_ids, attention_mask, max_new_tokens, eos_token_id, temperature, generator)
     _check_prefill(prefill, target)
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+    check_bool("progress", progress)
     glide = _check_drafting(target, drafter, policy, policy_options, tree, temperature, gamma)
     _check_chain_options(draft_len, draft_cutoff, tree, glide)
     _check_tail(tail, glide)
@@ -421,8 +416,7 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
         if policy not in (None, "dflash") or policy_options:
             raise ValueError("a GLIDE drafter reads the target's cache by cross-attention at true positions; "
                              f"context policies do not apply (got policy={policy!r}, options {sorted(policy_options)})")
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-            raise ValueError(f"gamma must be a positive int, got {gamma!r}")
+        check_int("gamma", gamma, 1, expected="a positive int")
     check_target(target, tree=tree is not None)               # layer types it can roll back (and tree-verify)
     policy = "fold" if policy is None else policy
     if not (isinstance(policy, str) or callable(policy)):
@@ -433,7 +427,7 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
                          "configure your read factory instead")
     if tree is not None:
         if not (isinstance(tree, (tuple, list)) and tree
-                and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in tree)):
+                and all(is_int(k) and k >= 1 for k in tree)):
             raise ValueError(f"tree must be a non-empty tuple of positive ints (paths kept per level), got {tree!r}")
         if temperature != 0.0:
             raise ValueError("tree verification is greedy; use temperature=0.0 or a chain (tree=None)")
@@ -450,15 +444,11 @@ def _check_drafting(target, drafter, policy, policy_options, tree, temperature, 
 
 def _check_chain_options(draft_len, draft_cutoff, tree, glide) -> None:
     """``draft_len`` and ``draft_cutoff``, checked before any work."""
-    if draft_len is not None:
-        if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-            raise ValueError(f"draft_len must be a positive int or None (every slot of the block), got {draft_len!r}")
-        if glide:
-            raise ValueError("draft_len is a block drafter's; a GLIDE drafter drafts gamma tokens per round")
-    if isinstance(draft_cutoff, bool) or not isinstance(draft_cutoff, (int, float)) \
-            or not 0.0 <= draft_cutoff < 1.0:
-        raise ValueError(f"draft_cutoff must be a number in [0, 1) (a draft distribution's top probability), "
-                         f"got {draft_cutoff!r}")
+    if check_int("draft_len", draft_len, 1, none_ok=True,
+                 expected="a positive int or None (every slot of the block)") is not None and glide:
+        raise ValueError("draft_len is a block drafter's; a GLIDE drafter drafts gamma tokens per round")
+    check_float("draft_cutoff", draft_cutoff, 0, 1, open_high=True,
+                expected="a number in [0, 1) (a draft distribution's top probability)")
     if tree is not None and (draft_len is not None or draft_cutoff):
         raise ValueError("draft_len and draft_cutoff shape a chain; a tree's shape is its tree=(k1, k2, ...)")
 
@@ -468,10 +458,7 @@ TAILS = ("full", "shrink")
 
 def _check_tail(tail, glide) -> None:
     """``tail``, checked before any work."""
-    if not isinstance(tail, str):
-        raise TypeError(f"tail must be one of {TAILS} (a block drafter's last rounds), got {tail!r}")
-    if tail not in TAILS:
-        raise ValueError(f"tail must be one of {TAILS} (a block drafter's last rounds), got {tail!r}")
+    check_choice("tail", tail, TAILS)
     if glide and tail != "full":
         raise ValueError("tail='shrink' shapes a block drafter's block; a GLIDE drafter drafts gamma tokens one at a "
                          "time (use tail='full')")

@@ -22,7 +22,7 @@ from torch import nn
 import fold
 from fold.rope import rotate, work_dtype
 from fold.spec_decode.rollback import layer_keys, layer_values
-from fold.spec_decode.drafter import MLP, RMSNorm
+from fold.spec_decode.drafter import MLP, AttentionProjections, RMSNorm
 from fold.spec_decode.tree import expand_level
 
 QUERY_CHUNK = 512   # prefill queries per step, so masks stay [chunk, L]
@@ -41,14 +41,9 @@ class GlideConfig:
     rope: fold.Rope | None = field(default=None, repr=False)
 
 
-class GlideAttention(nn.Module):
+class GlideAttention(AttentionProjections):
     def __init__(self, cfg: GlideConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.heads_q * d, bias=True)
-        self.k_proj = nn.Linear(h, cfg.heads_kv * d, bias=True)
-        self.v_proj = nn.Linear(h, cfg.heads_kv * d, bias=True)
-        self.o_proj = nn.Linear(cfg.heads_q * d, h, bias=False)
+        super().__init__(cfg.hidden_size, cfg.heads_q, cfg.heads_kv, cfg.head_dim, bias=True)
 
 
 @dataclass

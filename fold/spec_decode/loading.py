@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import fold
+from fold.checks import check_float, check_int, is_int
 from fold.rope import theta_inv_freq
 from fold.spec_decode.drafter import Drafter, DrafterConfig
 
@@ -50,20 +51,13 @@ def _require(config: dict, name: str, path: Path):
     return config[name]
 
 
-def _int(value, name: str, path: Path, minimum: int):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{path}/config.json: {name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{path}/config.json: {name} must be an int >= {minimum}, got {value}")
-    return value
+def _int(value, name: str, path: Path, minimum: int) -> int:
+    return check_int(f"{path}/config.json: {name}", value, minimum, expected=f"an int >= {minimum}")
 
 
-def _number(value, name: str, path: Path, *, positive: bool = True):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            (positive and value <= 0):
-        raise ValueError(f"{path}/config.json: {name} must be a finite number{' > 0' if positive else ''}, "
-                         f"got {value!r}")
-    return float(value)
+def _number(value, name: str, path: Path, *, positive: bool = True) -> float:
+    return check_float(f"{path}/config.json: {name}", value, 0 if positive else None, open_low=True,
+                       expected=f"a finite number{' > 0' if positive else ''}")
 
 
 def architecture(config: dict, path: Path) -> str | None:
@@ -318,7 +312,7 @@ def read_config(path: Path, target_config) -> DrafterConfig:
     ids = _first(dflash.get("target_layer_ids"), config.get("target_layer_ids"))
     if ids is None:
         ids = build_target_layer_ids(_int(num_target_layers, "num_target_layers", path, 1), layers)
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+    if not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
         raise TypeError(f"{path}/config.json: target_layer_ids must be a non-empty list of ints, got {ids!r}")
     mask_id = _first(dflash.get("mask_token_id"), config.get("mask_token_id"))
     if mask_id is None:

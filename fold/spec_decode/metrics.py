@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fold.checks import check_float, check_int
+
 
 def per_sequence_tau(result) -> list[float]:
     """Tokens committed per verification round of each sequence, the target's token included."""
@@ -31,10 +33,8 @@ def bootstrap_ci(groups: Sequence[Sequence[float]], *, n_resamples: int = 2000, 
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or \
             any(isinstance(g, (str, bytes)) or not isinstance(g, Sequence) for g in groups):
         raise TypeError("groups must be a list of lists of numbers (one list per task)")
-    if isinstance(n_resamples, bool) or not isinstance(n_resamples, int) or n_resamples < 1:
-        raise ValueError(f"n_resamples must be a positive int, got {n_resamples!r}")
-    if not (isinstance(confidence, float) and 0 < confidence < 1):
-        raise ValueError(f"confidence must be a float in (0, 1), got {confidence!r}")
+    check_int("n_resamples", n_resamples, 1, expected="a positive int")
+    check_float("confidence", confidence, 0, 1, open_low=True, open_high=True, expected="a float in (0, 1)")
     tensors = [torch.as_tensor(list(g), dtype=torch.float64) for g in groups]
     if not tensors or any(t.numel() == 0 for t in tensors):
         raise ValueError("every group needs at least one value")

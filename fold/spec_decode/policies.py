@@ -41,15 +41,15 @@ at ``p = n + r`` sees the entries ``p - Ws < j``, and ``j <= p`` when causal (el
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 import fold
-from fold.fold_attention import BACKENDS, MAX_ALPHA
-from fold.rope import rotate, work_dtype
+from fold.checks import check_float, check_int
+from fold.read_options import ReadOptions
+from fold.rope import rerope_scale, rotate, work_dtype
 from fold.spec_decode.retrieval import CMRRead, InfLLMRead
 
 
@@ -150,14 +150,13 @@ def sliding_state(q, k, v, *, rope, sliding_window, causal, backend="auto"):
                           causal=causal, return_lse=True, backend=backend)
 
 
-def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, alpha, backend="auto", **far_budget):
+def fold_sliding_read(q, k, v, *, rope, sliding_window, causal, window, **read):
     """FOLD on a sliding-window layer: its native window is the local branch, and every context
     entry outside it is far memory at distance ``D + r`` (``D = window + n_q``), read with
     ``alpha`` and merged by the masses ``Z_N``, ``Z_F = (sum exp(alpha f)) ** (1 / alpha)`` (Eq. 4):
-    ``fold.attention`` with the layer's ``sliding_window`` and causality (``far_budget``,
-    ``far_page``, ``far_bounds`` passed on when given)."""
-    return fold.attention(q, k, v, window=window, rope=rope, alpha=alpha, sliding_window=sliding_window,
-                          causal=causal, backend=backend, **far_budget)
+    ``fold.attention`` with the layer's ``sliding_window`` and causality, and ``read`` (``alpha``,
+    ``backend``, ``far_budget``, ``far_page``, ``far_rank``, ``far_bounds``: ``fold.attention``'s)."""
+    return fold.attention(q, k, v, window=window, rope=rope, sliding_window=sliding_window, causal=causal, **read)
 
 
 def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, training_length=4096, backend="auto"):
@@ -171,8 +170,8 @@ def rerope_sliding_read(q, k, v, *, rope, sliding_window, causal, window, traini
 
 def _rerope_scaled(q, n, training_length):
     work = work_dtype(q.dtype)
-    p = torch.arange(n, n + q.shape[1], device=q.device, dtype=torch.float64)           # true positions
-    q_scale = (torch.log(p + 1) / math.log(training_length)).clamp(min=1.0).to(work)     # [n_q]
+    length = torch.tensor([n + q.shape[1]], device=q.device)
+    q_scale = rerope_scale(length, q.shape[1], training_length, dtype=work)[0]          # [n_q]
     return (q.to(work) * q_scale[None, :, None, None]).to(q.dtype)
 
 
@@ -212,73 +211,41 @@ class Read:
         return sliding_state(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal)[0]
 
 
-OPTIONS = dict(window=2048, alpha=2.0, backend="auto", far_budget=None, far_page=64, far_rank="bound", sinks=4, recent=2044, reference_len=4096, rope_theta=None,
-               training_length=4096, infllm_block=128, infllm_init=128, infllm_topk=16, infllm_repr=4,
-               cmr_chunk=32, cmr_top=64, cmr_every=8)
-_MINIMUM = dict(window=0, far_page=1, sinks=0, recent=0, reference_len=1, training_length=2, infllm_block=1, infllm_init=0,
+OPTIONS = dict(window=2048, alpha=2.0, backend="auto", far_budget=None, far_page=64, far_rank="bound", sinks=4,
+               recent=2044, reference_len=4096, rope_theta=None, training_length=4096, infllm_block=128,
+               infllm_init=128, infllm_topk=16, infllm_repr=4, cmr_chunk=32, cmr_top=64, cmr_every=8)
+_MINIMUM = dict(window=0, sinks=0, recent=0, reference_len=1, training_length=2, infllm_block=1, infllm_init=0,
                 infllm_topk=0, infllm_repr=1, cmr_chunk=1, cmr_top=1, cmr_every=1)
+_READ = ("alpha", "backend", "far_budget", "far_page", "far_rank")      # fold.attention's: a ReadOptions
 
 
 def validate_options(options: dict) -> dict:
-    """Every policy option checked by name against its range; returns them with the defaults filled in."""
+    """Every policy option checked by name against its range; returns them with the defaults filled in
+    (``read``: the :class:`fold.read_options.ReadOptions` of ``alpha``, ``backend`` and the far budget's)."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"unknown policy options {unknown}; known: {sorted(OPTIONS)}")
     out = {**OPTIONS, **options}
     for name, low in _MINIMUM.items():
-        value = out[name]
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-        if value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value}")
-        out[name] = int(value)
-    alpha = out["alpha"]
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(f"alpha must be a real number in [1, {MAX_ALPHA:g}], got {alpha!r}")
-    if not (math.isfinite(alpha) and 1 <= alpha <= MAX_ALPHA):
-        raise ValueError(f"alpha must be finite and in [1, {MAX_ALPHA:g}], got {alpha}")
-    budget = out["far_budget"]
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
-            raise TypeError(f"far_budget must be None (every far entry) or an int >= 1, got {budget!r}")
-        if budget < 1:
-            raise ValueError(f"far_budget must be None (every far entry) or an int >= 1, got {budget}")
-        out["far_budget"] = int(budget)
-    if out["backend"] not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {out['backend']!r}")
-    from fold.far_pages import RANKS
-
-    if not isinstance(out["far_rank"], str):
-        raise TypeError(f"far_rank must be one of {RANKS}, got {out['far_rank']!r}")
-    if out["far_rank"] not in RANKS:
-        raise ValueError(f"far_rank must be one of {RANKS}, got {out['far_rank']!r}")
-    theta = out["rope_theta"]
-    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, numbers.Real)
-                              or not (math.isfinite(theta) and theta > 1)):
-        raise ValueError(f"rope_theta must be None or a finite number > 1, got {theta!r}")
+        out[name] = check_int(name, out[name], low, expected=f"an int >= {low}")
+    out["read"] = ReadOptions(**{name: out[name] for name in _READ})
+    out["rope_theta"] = check_float("rope_theta", out["rope_theta"], 1, open_low=True, none_ok=True,
+                                    expected="None or a finite number > 1")
     return out
 
 
-def _check_far_budget(policy: str, o: dict, request) -> None:
+def _check_far_budget(policy: str, read: ReadOptions, request) -> None:
     """``far_budget`` applies to ``fold`` and must hold every page a block's rows straddle."""
     if policy != "fold":
         raise ValueError(f"far_budget applies to policy='fold' only (the far memory it budgets), got policy={policy!r}")
-    page, budget = o["far_page"], o["far_budget"]
-    n_q = request["block_size"] if isinstance(request, dict) and "block_size" in request else 1
-    need = -(-(n_q - 1) // page) + 1                      # pages the block's rows can straddle
-    if budget // page < need:
-        raise ValueError(f"far_budget must hold at least {need} pages of far_page={page} entries for a block of "
-                         f"{n_q} rows (the pages its rows straddle are always read), i.e. far_budget >= {need * page}; "
-                         f"got far_budget={budget}")
+    read.check_block(request["block_size"] if isinstance(request, dict) and "block_size" in request else 1)
 
 
 def _check_request(request) -> None:
     if not isinstance(request, dict) or not {"prompt_len", "max_new_tokens", "block_size"} <= set(request):
         raise ValueError(f"request must be dict(prompt_len=, max_new_tokens=, block_size=), got {request!r}")
     for name in ("prompt_len", "max_new_tokens", "block_size"):
-        value = request[name]
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"request[{name!r}] must be a positive int, got {value!r}")
+        check_int(f"request[{name!r}]", request[name], 1, expected="a positive int")
 
 
 def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **options) -> Read:
@@ -299,7 +266,7 @@ def make_read(policy: str, rope: fold.Rope, *, request: dict | None = None, **op
         raise TypeError(f"rope must be a fold.Rope, got {type(rope).__name__}")
     o = validate_options(options)
     if o["far_budget"] is not None:
-        _check_far_budget(policy, o, request)
+        _check_far_budget(policy, o["read"], request)
     entry = POLICIES[policy]
     full = entry.full(rope, o, request)
     return Read(full, None if entry.sliding is None else entry.sliding(rope, o, full), rope=rope)
@@ -371,32 +338,27 @@ class FoldRead:
     entries, chosen by the per-page key bounds (:class:`PageBounds`, kept per sequence as the cache
     grows); ``far_budget=None`` reads every far entry."""
 
-    def __init__(self, rope: fold.Rope, window: int, alpha: float, backend: str, far_budget: int | None = None,
-                 far_page: int = 64, far_rank: str = "bound"):
-        self.rope, self.window, self.alpha, self.backend = rope, window, alpha, backend
-        self.far_budget, self.far_page, self.far_rank = far_budget, far_page, far_rank
+    def __init__(self, rope: fold.Rope, window: int, read: ReadOptions):
+        self.rope, self.window, self.read = rope, window, read
         self.short = CachedPlainRead(rope)
-        self.page_bounds = None if far_budget is None else PageBounds(far_page)
+        self.page_bounds = None if read.far_budget is None else PageBounds(read.far_page)
 
-    def budget(self, k, n: int, layer: int) -> dict:
-        """``fold.attention``'s far-budget arguments for layer ``layer``'s cache ``k`` (``n`` committed)."""
-        if self.far_budget is None:
-            return {}
-        return dict(far_budget=self.far_budget, far_page=self.far_page, far_rank=self.far_rank,
-                    far_bounds=self.page_bounds.bounds(layer, k, n))
+    def options(self, k, n: int, layer: int) -> dict:
+        """``fold.attention``'s read options for layer ``layer``'s cache ``k`` (``n`` committed): :attr:`read`,
+        and with a budget the kept bounds."""
+        bounds = None if self.page_bounds is None else self.page_bounds.bounds(layer, k, n)
+        return dict(asdict(self.read), far_bounds=bounds)
 
     def __call__(self, q, k, v, layer):
         n = k.shape[1] - q.shape[1]
         if n <= self.window:                                # length dispatch: nothing is far yet
             return self.short(q, k, v, layer)
-        return fold.attention(q, k, v, window=self.window, rope=self.rope, alpha=self.alpha, backend=self.backend,
-                              **self.budget(k, n, layer))
+        return fold.attention(q, k, v, window=self.window, rope=self.rope, **self.options(k, n, layer))
 
     def sliding(self, q, k, v, layer, *, sliding_window, causal):
         """A sliding-window layer's FOLD read (:func:`fold_sliding_read`), budgeted like the full layers."""
         return fold_sliding_read(q, k, v, rope=self.rope, sliding_window=sliding_window, causal=causal,
-                                 window=self.window, alpha=self.alpha, backend=self.backend,
-                                 **self.budget(k, k.shape[1] - q.shape[1], layer))
+                                 window=self.window, **self.options(k, k.shape[1] - q.shape[1], layer))
 
 
 def _yarn(rope, o, request):
@@ -433,8 +395,7 @@ POLICIES = {
     "dflash": Policy(full=lambda rope, o, request: CachedPlainRead(rope)),
     "window": Policy(full=lambda rope, o, request: lambda q, k, v, layer: window_read(
         q, k, v, rope=rope, window=o["window"], backend=o["backend"])),
-    "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], float(o["alpha"]), o["backend"],
-                                                          o["far_budget"], o["far_page"], o["far_rank"]),
+    "fold": Policy(full=lambda rope, o, request: FoldRead(rope, o["window"], o["read"]),
                    sliding=lambda rope, o, full: full.sliding),
     "streaming": Policy(full=lambda rope, o, request: lambda q, k, v, layer: streaming_read(
         q, k, v, rope=rope, sinks=o["sinks"], recent=o["recent"], backend=o["backend"])),

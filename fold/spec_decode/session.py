@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
+from fold.checks import check_bool, check_int
 from fold.spec_decode import rollback
 from fold.spec_decode.target import TargetFacts
 
@@ -186,10 +187,8 @@ class Prefills:
     """
 
     def __init__(self, target, keep: int | None = None, last_logits_only: bool = False):
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
-        if not isinstance(last_logits_only, bool):
-            raise TypeError(f"last_logits_only must be a bool, got {type(last_logits_only).__name__}")
+        check_int("keep", keep, 1, none_ok=True, expected="a positive int or None")
+        check_bool("last_logits_only", last_logits_only)
         self.target, self.keep, self.last_logits_only = target, keep, last_logits_only
         self._facts: TargetFacts | None = None    # probed at the first prompt
         self._held: dict[tuple, tuple] = {}       # prompt -> (last logits, hidden_states, cache)

@@ -31,8 +31,10 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Mapping
+from dataclasses import asdict
 
 import fold
+from fold.read_options import ReadOptions
 from fold.spec_decode.policies import validate_options
 
 LOOKUP_NAME = "ALL_ATTENTION_FUNCTIONS"
@@ -70,16 +72,15 @@ class _Lookup(Mapping):
 class _FoldLayerRead:
     """One drafter's FOLD read, called in place of ``sdpa`` with transformers' attention signature."""
 
-    def __init__(self, rope: fold.Rope, window: int, alpha: float, backend: str):
-        self.rope, self.window, self.alpha, self.backend = rope, window, alpha, backend
+    def __init__(self, rope: fold.Rope, window: int, read: ReadOptions):
+        self.rope, self.window, self.read = rope, window, read
 
     def __call__(self, module, query, key, value, attention_mask=None, scaling=None, **kwargs):
         # query [b, Hq, n_q, d] rotated at positions n .. n + n_q - 1; key/value [b, Hkv, n + n_q, d], every
         # entry from position 0, keys rotated at their own positions, the block's rows last
         out = fold.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), window=self.window,
-                             rope=self.rope, alpha=self.alpha, keys_rotated=True, queries_rotated=True,
-                             softmax_scale=scaling, sliding_window=module.sliding_window, causal=bool(module.is_causal),
-                             backend=self.backend)
+                             rope=self.rope, keys_rotated=True, queries_rotated=True, softmax_scale=scaling,
+                             sliding_window=module.sliding_window, causal=bool(module.is_causal), **asdict(self.read))
         return out, None                                                         # [b, n_q, Hq, d]
 
 
@@ -167,8 +168,8 @@ def use_fold(drafter, *, window: int = 2048, alpha: float = 2.0, backend: str = 
     """
     modules = _attention_modules(drafter)
     options = validate_options(dict(window=window, alpha=alpha, backend=backend))
-    read = _FoldLayerRead(fold.Rope.from_config(drafter.config), options["window"], float(options["alpha"]),
-                          options["backend"])                  # every check before anything is installed
+    read = _FoldLayerRead(fold.Rope.from_config(drafter.config), options["window"],
+                          options["read"])                     # every check before anything is installed
     lookups = [_lookup_for(m) for m in modules]
     if any(m in lookup.reads for m, lookup in zip(modules, lookups)):
         raise ValueError("use_fold: this drafter already reads with FOLD; remove() its handle before a new call")

@@ -37,13 +37,13 @@ what it holds), and the builder declares :attr:`~AttentionCGSupport.UNIFORM_BATC
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 import fold
+from fold.rope import rerope_scale
 from fold.vllm.compat import (
     AttentionBackend,
     AttentionCGSupport,
@@ -289,9 +289,3 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
             return x.to(stored_dtype)
         return (x.to(torch.float32) / scale).to(self.cache_dtype).view(stored_dtype)
 
-
-def rerope_scale(seq_lens: torch.Tensor, n_q: int, training_length: int) -> torch.Tensor:
-    """ReRoPE's query scale ``max(1, log(p + 1) / log(training_length))`` at the rows' true positions
-    ``p = seq_len - n_q + r``: ``[batch, n_q]`` float32."""
-    p = seq_lens.to(torch.float64)[:, None] - n_q + torch.arange(n_q, device=seq_lens.device, dtype=torch.float64)
-    return (torch.log((p + 1).clamp(min=1)) / math.log(training_length)).clamp(min=1.0).to(torch.float32)

@@ -24,20 +24,22 @@ This module imports no vLLM.
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from fold.fold_attention import BACKENDS, MAX_ALPHA
-from fold.far_pages import RANKS
+from fold.checks import check_int
+from fold.far_pages import RANKS, straddled_pages
+from fold.read_options import BACKENDS, MAX_ALPHA, ReadOptions
 
 READS = ("fold", "window", "rerope", "stock")
 _FIELDS = {"fold": {"read", "window", "alpha", "backend", "far_budget", "far_page",
                     "far_rank"}, "window": {"read", "window", "backend"},
            "rerope": {"read", "window", "training_length", "backend"}, "stock": {"read"}}
+# the read options as the block's errors word them (ReadOptions.check holds the rules)
+_WORDS = {"alpha": f"a number in [1, {MAX_ALPHA:g}]", "backend": f"one of {BACKENDS}", "far_budget": "an integer >= 1",
+          "far_page": "an integer >= 1", "far_rank": f"one of {RANKS}"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class ServeRead:
             raise ValueError(f"fold.far_page must equal the drafter cache's block size {block_size} (its pages are "
                              f"the far pages), got {self.far_page}")
         if n_q is not None:
-            need = -(-(n_q - 1) // block_size) + 1
+            need = straddled_pages(n_q, block_size)
             if self.far_budget // block_size < need:
                 raise ValueError(f"fold.far_budget must hold at least {need} pages of {block_size} entries for a "
                                  f"draft block of {n_q} rows (the pages its rows straddle are always read), i.e. "
@@ -92,35 +94,32 @@ def parse_block(block) -> ServeRead:
         raise ValueError(f"fold.{unknown[0]} is not a field of read={read!r} (its fields: {sorted(_FIELDS[read])})")
     if read == "stock":
         return ServeRead()
-    window = block.get("window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"fold.window must be an integer >= 0 (context entries kept at exact positions), "
-                         f"got {window!r}")
-    alpha, training_length = 1.0, 4096
-    if read == "fold":
-        alpha = block.get("alpha", 2.0)
-        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not (
-                math.isfinite(alpha) and 1 <= alpha <= MAX_ALPHA):
-            raise ValueError(f"fold.alpha must be a number in [1, {MAX_ALPHA:g}], got {alpha!r}")
+    window = check_int("fold.window", block.get("window"), 0,
+                       expected="an integer >= 0 (context entries kept at exact positions)")
+    alpha = _read_option(block, "alpha", 2.0) if read == "fold" else 1.0
+    training_length = 4096
     if read == "rerope":
-        training_length = block.get("training_length", 4096)
-        if isinstance(training_length, bool) or not isinstance(training_length, int) or training_length < 2:
-            raise ValueError(f"fold.training_length must be an integer >= 2, got {training_length!r}")
-    backend = block.get("backend", "auto")
-    if backend not in BACKENDS:
-        raise ValueError(f"fold.backend must be one of {BACKENDS}, got {backend!r}")
-    far_budget, far_page = block.get("far_budget"), block.get("far_page")
-    for name, value in (("far_budget", far_budget), ("far_page", far_page)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"fold.{name} must be an integer >= 1, got {value!r}")
+        training_length = check_int("fold.training_length", block.get("training_length", 4096), 2,
+                                    expected="an integer >= 2")
+    backend = _read_option(block, "backend", "auto")
+    far_budget = _read_option(block, "far_budget", None)
+    far_page = None if block.get("far_page") is None else _read_option(block, "far_page", None)
     if far_page is not None and far_budget is None:
         raise ValueError("fold.far_page sizes the pages of far_budget; give far_budget too")
-    far_rank = block.get("far_rank", "bound")
-    if far_rank not in RANKS:
-        raise ValueError(f"fold.far_rank must be one of {RANKS}, got {far_rank!r}")
+    far_rank = _read_option(block, "far_rank", "bound")
     if "far_rank" in block and far_budget is None:
         raise ValueError("fold.far_rank ranks the pages of far_budget; give far_budget too")
-    return ServeRead(read, window, float(alpha), training_length, backend, far_budget, far_page, far_rank)
+    return ServeRead(read, window, alpha, training_length, backend, far_budget, far_page, far_rank)
+
+
+def _read_option(block: dict, name: str, default):
+    """The block's read option ``name`` (``default`` when absent), checked by the rule of
+    :class:`fold.read_options.ReadOptions`; a bad value is a ``ValueError`` naming the field."""
+    value = block.get(name, default)
+    try:
+        return ReadOptions.check(name, value)
+    except (TypeError, ValueError):
+        raise ValueError(f"fold.{name} must be {_WORDS[name]}, got {value!r}") from None
 
 
 def read_of(hf_config) -> ServeRead:
@@ -176,8 +175,7 @@ def _fit_max_position(config: dict, max_model_len, raise_max_position: bool) -> 
         if raise_max_position:
             raise ValueError("raise_max_position needs max_model_len (the length to raise it to)")
         return
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+    check_int("max_model_len", max_model_len, 1, expected="a positive int")
     limit = config.get("max_position_embeddings")
     if limit is None or max_model_len <= limit:
         return

@@ -13,9 +13,11 @@ from fold.config_lookup import num_splits_for
 from fold.kernels.fold_attention import MIN_TILES_PER_SPLIT, SPACE, TILE_FIELDS
 from tests.helpers import Case, kwargs_of, make_inputs
 from tuning.__main__ import main as tuning_main
+from benchmarks.workloads import DrafterShape
 from tuning.tune import ShapeClass, tune
 
-CLASS = ShapeClass(head_dim=32, group=2, n_q=4, dtype="float32", keys_rotated=False, heads_kv=1, window=16)
+CLASS = ShapeClass(DrafterShape("test", n_q=4, heads_q=2, heads_kv=1, head_dim=32, window=16), dtype="float32",
+                   keys_rotated=False)
 CASE = Case(n_q=4, heads_kv=1, group=2, head_dim=32, rotary_dim=32, max_len=700, window=16)
 TARGET = (16, 64, 8, 3)                       # a tile: block_m, block_n, num_warps, num_stages
 QUIET = dict(device="cpu", log=lambda _: None)

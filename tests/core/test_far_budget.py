@@ -152,7 +152,7 @@ def test_a_dominant_key_gets_its_page_read(backend, keys_rotated):
     kw = kwargs_of(case, None)
     budget = 2 * page                                                   # 1 straddling page + 1 candidate
     bounds = far_pages.page_bounds(k, page, keys_rotated=keys_rotated, rope=rope)
-    chosen = far_pages.select_pages(q_far, bounds, None, max_len=300, n_q=4, span=case.window + 4, far_page=page,
+    chosen = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k), span=case.window + 4, far_page=page,
                                     num_slots=2, scale=1.0)
     n = 300 - 4
     straddling = list(range((n - case.window - 4 + 1) // page, -(-(n - case.window - 1) // page)))

@@ -156,9 +156,8 @@ def test_select_pages_agrees_with_the_reference_rule(n_q, page, group, queries_r
     bounds = far_pages.page_bounds(k, page, cache_seqlens=seqlens, keys_rotated=keys_rotated, rope=rope)
     q_far = far_pages.far_queries(q, rope, seqlens, window=case.window, max_len=case.max_len,
                                   queries_rotated=queries_rotated)
-    got = far_pages.select_pages(q_far, bounds, seqlens, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
-                                 num_slots=budget // page, scale=0.3, rank=rank, keys=k, keys_rotated=keys_rotated,
-                                 rope=rope)
+    got = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k, seqlens, keys_rotated=keys_rotated, rope=rope),
+                                 span=span, far_page=page, num_slots=budget // page, scale=0.3, rank=rank)
     for b, length in enumerate(case.seqlens):
         want = select_far_pages_ref(q[b], k[b, :length], n=length - n_q, span=span, window=case.window, rope=rope,
                                     scale=0.3, far_budget=budget, far_page=page, keys_rotated=keys_rotated,
@@ -177,7 +176,7 @@ def test_ties_go_to_the_lower_page():
     bounds = far_pages.page_bounds(k, 8)
     q_far = far_pages.far_queries(q, rope, None, window=0, max_len=128, queries_rotated=False)
     for _ in range(3):
-        got = far_pages.select_pages(q_far, bounds, None, max_len=128, n_q=1, span=1, far_page=8, num_slots=3,
+        got = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k), span=1, far_page=8, num_slots=3,
                                      scale=1.0)
         assert got.tolist() == [[[0, 1, 15]]]              # page 15 holds the block: always read
 
@@ -198,8 +197,8 @@ def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slo
     budget = (-(-(n_q - 1) // page) + 1 + slots) * page
     assert far_pages.shortlist_size(budget // page) * far_pages.GROUP_PAGES < case.max_len - span
     bounds = far_pages.page_bounds(k, page, rope=rope)
-    got = far_pages.select_pages(q_far, bounds, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
-                                 num_slots=budget // page, scale=0.3, rank=rank, keys=k, rope=rope)
+    got = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k, rope=rope), span=span, far_page=page,
+                                 num_slots=budget // page, scale=0.3, rank=rank)
     want = select_far_pages_ref(q[0], k[0], n=case.max_len - n_q, span=span, window=case.window, rope=rope,
                                 scale=0.3, far_budget=budget, far_page=page, rank=rank)
     for h in range(2):
@@ -209,9 +208,8 @@ def test_select_pages_ranks_the_best_groups_when_pages_outnumber_them(group, slo
     # a paged cache reads the same pages (logical indices) through its block table
     kp, table = to_pages(k, [case.max_len], page, torch.Generator().manual_seed(seed))
     paged = far_pages.page_bounds(kp, page, cache_seqlens=torch.tensor([case.max_len]), block_table=table, rope=rope)
-    got_paged = far_pages.select_pages(q_far, paged, None, max_len=case.max_len, n_q=n_q, span=span, far_page=page,
-                                       num_slots=budget // page, scale=0.3, block_table=table, rank=rank, keys=kp,
-                                       rope=rope)
+    got_paged = far_pages.select_pages(q_far, paged, far_pages.KeyCache(kp, block_table=table, rope=rope), span=span,
+                                       far_page=page, num_slots=budget // page, scale=0.3, rank=rank)
     assert torch.equal(got_paged, got)
 
 
@@ -228,9 +226,9 @@ def test_keys_rank_finds_the_entry_a_box_hides():
     k[0, 5 * page:6 * page] = 0.0
     k[0, 5 * page + 7, 0] = 6.0 * q_far[0, 0, 0] / q_far[0, 0, 0].norm()
     bounds = far_pages.page_bounds(k, page)
-    common = dict(max_len=pages * page, n_q=1, span=1, far_page=page, num_slots=2, scale=0.125)
-    by_box = far_pages.select_pages(q_far, bounds, None, **common)
-    by_keys = far_pages.select_pages(q_far, bounds, None, **common, rank="keys", keys=k, rope=rope)
+    common = dict(span=1, far_page=page, num_slots=2, scale=0.125)
+    by_box = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k), **common)
+    by_keys = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k, rope=rope), **common, rank="keys")
     assert 5 not in by_box[0, 0].tolist()
     assert by_keys[0, 0].tolist() == [5, pages - 1]            # the needle's page, and the block's own
 
@@ -275,15 +273,15 @@ def test_keys_rank_reads_the_same_pages_from_any_key_layout(layout, max_len):
     q, k, _, seqlens = make_inputs(case)
     rope = rope_of(case)
     q_far = far_pages.far_queries(q, rope, seqlens, window=case.window, max_len=max_len, queries_rotated=False)
-    common = dict(max_len=max_len, n_q=n_q, span=case.window + n_q, far_page=page, num_slots=5, scale=0.3,
-                  rank="keys", keys_rotated=True, rope=rope)
+    common = dict(span=case.window + n_q, far_page=page, num_slots=5, scale=0.3, rank="keys")
+    stored = dict(cache_seqlens=seqlens, keys_rotated=True, rope=rope)
     bounds = far_pages.page_bounds(k, page, cache_seqlens=seqlens, keys_rotated=True, rope=rope)
-    want = far_pages.select_pages(q_far, bounds, seqlens, keys=k, **common)
+    want = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(k, **stored), **common)
     assert (want[..., 2:] >= 0).any()                   # some candidate was ranked and read
-    got = far_pages.select_pages(q_far, bounds, seqlens, keys=_strided_like(k, layout), **common)
+    got = far_pages.select_pages(q_far, bounds, far_pages.KeyCache(_strided_like(k, layout), **stored), **common)
     assert torch.equal(got, want)
     kp, table = to_pages(k, seqlens.tolist(), page, torch.Generator().manual_seed(seed))
     paged = far_pages.page_bounds(kp, page, cache_seqlens=seqlens, block_table=table, keys_rotated=True, rope=rope)
     for keys in (kp, _strided_like(kp, layout)):
-        got = far_pages.select_pages(q_far, paged, seqlens, keys=keys, block_table=table, **common)
+        got = far_pages.select_pages(q_far, paged, far_pages.KeyCache(keys, block_table=table, **stored), **common)
         assert torch.equal(got, want)

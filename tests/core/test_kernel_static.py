@@ -13,16 +13,16 @@ import sys
 
 import pytest
 
+from benchmarks.workloads import DRAFTERS
 from fold import config_lookup
 from tools import static_report
-from tuning.workloads import DRAFTERS
 
 LENGTHS = ("8192", "32768", "131072", "262144")
 HEADS_KV = ("1", "2", "4", "8")
 CONTROL = """
 import json
 from tools.static_report import stage1_spills
-from tuning.workloads import DRAFTERS
+from benchmarks.workloads import DRAFTERS
 from fold.config_lookup import heuristic_tile
 shape = DRAFTERS["llama3.1-8b"]
 good = heuristic_tile(rows=shape.n_q * shape.heads_q // shape.heads_kv, head_dim=shape.head_dim)

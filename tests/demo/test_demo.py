@@ -11,7 +11,8 @@ import transformers
 
 import fold.demo
 from fold import spec_decode
-from fold.demo import cli, data
+from fold.demo import cli, corpus, experiment, tokens
+from fold.demo.prompts import code_prompt, retrieval_prompt
 from fold.spec_decode.policies import BUILT
 from reference import apply_rope, rope_attention_ref
 from reference.tolerance import check_close
@@ -27,12 +28,12 @@ pytestmark = pytest.mark.skipif(not (fold.demo.DRAFTER_DIR / "model.safetensors"
 
 @pytest.fixture(scope="module")
 def pair():
-    return cli.load_pair()
+    return experiment.load_pair()
 
 
 @pytest.fixture(scope="module")
 def held_ids(pair):
-    return {name: data.encode(pair[3], text) for name, text in data.held_out_code().items()}
+    return {name: tokens.encode(pair[3], text) for name, text in corpus.held_out_code().items()}
 
 
 def test_shipped_artifacts_are_small_and_in_real_formats(pair):
@@ -58,10 +59,10 @@ def test_shipped_artifacts_are_small_and_in_real_formats(pair):
 def test_shipped_pair_is_lossless_on_every_policy(pair, held_ids, policy):
     target, drafter, _, tokenizer = pair
     rng = random.Random(7)
-    prompts = [torch.tensor(data.code_prompt(held_ids, rng, 300)),
-               torch.tensor(data.retrieval_prompt(rng, tokenizer, 400, 200)[0])]
+    prompts = [torch.tensor(code_prompt(held_ids, rng, 300)),
+               torch.tensor(retrieval_prompt(rng, tokenizer, 400, 200)[0])]
     ids, mask = padded_batch(prompts)
-    opts = cli.policy_options(policy, window=32, alpha=2.0, train_len=64)     # long-context paths at ~350 tokens
+    opts = experiment.policy_options(policy, window=32, alpha=2.0, train_len=64)     # long-context paths at ~350 tokens
     out = spec_decode.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy=policy, **opts)
     for b, p in enumerate(prompts):
         expected = greedy_ar(target, p, 12)
@@ -70,7 +71,7 @@ def test_shipped_pair_is_lossless_on_every_policy(pair, held_ids, policy):
 
 def test_anchor_offset_drafter_is_lossless(pair):
     target, _, anchor, tokenizer = pair
-    prompt = torch.tensor(data.retrieval_prompt(random.Random(1), tokenizer, 500, 250)[0])
+    prompt = torch.tensor(retrieval_prompt(random.Random(1), tokenizer, 500, 250)[0])
     out = spec_decode.generate(target, anchor, prompt[None], max_new_tokens=16, policy="dflash")
     assert torch.equal(out.sequences[0], greedy_ar(target, prompt, 16))
 
@@ -78,7 +79,7 @@ def test_anchor_offset_drafter_is_lossless(pair):
 def test_shipped_drafter_copies_from_far_back_only_through_the_far_memory(pair):
     """A value stored 700+ tokens back: FOLD's far memory reaches it, FOLD's window alone does not."""
     target, drafter, _, tokenizer = pair
-    prompt, answer = data.retrieval_prompt(random.Random(5), tokenizer, 1024, 700)
+    prompt, answer = retrieval_prompt(random.Random(5), tokenizer, 1024, 700)
     ids = torch.tensor([prompt])
     taus = {policy: spec_decode.generate(target, drafter, ids, max_new_tokens=len(answer), policy=policy, window=128).tau
             for policy in ("window", "fold")}
@@ -88,7 +89,7 @@ def test_shipped_drafter_copies_from_far_back_only_through_the_far_memory(pair):
 def test_tree_verification_is_refused_for_the_toy_target(pair):
     target, drafter, _, tokenizer = pair
     with pytest.raises(ValueError, match="AttentionInterface"):
-        spec_decode.generate(target, drafter, torch.tensor([data.encode(tokenizer, "def f(x):\n")]), max_new_tokens=4,
+        spec_decode.generate(target, drafter, torch.tensor([tokens.encode(tokenizer, "def f(x):\n")]), max_new_tokens=4,
                       tree=(2, 2))
 
 
@@ -109,9 +110,10 @@ def test_reduced_demo_runs_and_reports(tmp_path, capsys):
             diffs = [a - b for a, b in zip(r["taus"], window["taus"])]
             assert r["tau_minus_window"] == pytest.approx(sum(diffs) / len(diffs), abs=1.5 * ROUNDED)  # two roundings
     shifted = [r for r in records if r["task"] == "shift"]
-    train_len = cli.training_length()
-    assert {(r["policy"], r["shift"]) for r in shifted} == {(p, f * train_len) for p in ("dflash", cli.ANCHOR_ROW)
-                                                            for f in cli.SHIFT_FACTORS}
+    train_len = experiment.training_length()
+    assert {(r["policy"], r["shift"]) for r in shifted} == {(p, f * train_len)
+                                                            for p in ("dflash", experiment.ANCHOR_ROW)
+                                                            for f in experiment.SHIFT_FACTORS}
     assert all(r["lossless"] for r in records)
     for r in records:      # tau is the mean of the per-prompt taus, its interval their bootstrap's
         _, low, high = spec_decode.bootstrap_ci([r["taus"]])
@@ -143,10 +145,11 @@ def test_rows_run_interleaved_and_tpot_is_the_median_of_repeats():
             return _FakeResult(seq, next(tpots[name]))
         return run
 
-    rows = [cli.Row("AR", runner("AR")), cli.Row("a", runner("a")), cli.Row("b", runner("b", differs=True))]
-    cli.measure_cell(rows, torch.tensor([[10], [20]]), 4, repeats=3)
+    rows = [experiment.Row("AR", runner("AR")), experiment.Row("a", runner("a")),
+            experiment.Row("b", runner("b", differs=True))]
+    experiment.measure_cell(rows, torch.tensor([[10], [20]]), 4, repeats=3)
     assert calls == [(n, p) for p in (10, 20) for _ in range(3) for n in ("AR", "a", "b")]
-    records = {r["policy"]: r for r in cli.cell_records("code", 1, rows)}
+    records = {r["policy"]: r for r in experiment.cell_records("code", 1, rows)}
     assert records["a"]["tpot_ms_per_prompt"] == [2000.0, 2000.0]            # medians of (1, 2, 30) and (2, 2, 2)
     assert records["AR"]["tpot_ms_per_prompt"] == [5000.0, 4000.0]
     assert records["a"]["speedup"] == (5 / 2 + 4 / 2) / 2                  # AR's median TPOT over a's, per prompt
@@ -166,27 +169,27 @@ def test_retrieval_cells_measure_only_prompts_the_target_answers():
             return _FakeResult(torch.cat([prompt, torch.tensor([said[int(prompt[0, 0])]])], 1), 1.0)
         return run
 
-    rows = [cli.Row("AR", runner("AR")), cli.Row("a", runner("a"))]
+    rows = [experiment.Row("AR", runner("AR")), experiment.Row("a", runner("a"))]
     ids = torch.tensor([[10], [20], [30], [40]])
-    tried = cli.measure_cell(rows, ids, 2, repeats=2, answers=[[7, 8], [7, 8], [5], [7, 8]], wanted=2)
+    tried = experiment.measure_cell(rows, ids, 2, repeats=2, answers=[[7, 8], [7, 8], [5], [7, 8]], wanted=2)
     assert tried == 3
     assert calls == [("AR", 10), ("a", 10), ("AR", 10), ("a", 10), ("AR", 20),
                      ("AR", 30), ("a", 30), ("AR", 30), ("a", 30)]
     assert len(rows[0].taus) == len(rows[1].taus) == 2 and [len(t) for t in rows[1].tpots] == [2, 2]
-    records = cli.cell_records("retrieval", 1, rows)
+    records = experiment.cell_records("retrieval", 1, rows)
     for rec in records:
         rec.update(prompts_drawn=tried, prompts_answered=2)
     assert "answered/drawn: 1: 2/3" in cli.format_table(records)
     with pytest.raises(ValueError, match="AR as the first row"):
-        cli.measure_cell(rows[1:], ids, 2, repeats=1, answers=[[7]] * 4)
+        experiment.measure_cell(rows[1:], ids, 2, repeats=1, answers=[[7]] * 4)
 
 
 def test_draft_cutoff_reaches_every_drafter_row(monkeypatch):
     seen = []
     monkeypatch.setattr(spec_decode, "generate", lambda *a, **k: seen.append((k["policy"], k["draft_cutoff"])))
     monkeypatch.setattr(spec_decode, "autoregressive", lambda *a, **k: seen.append(("AR", None)))
-    rows = cli.make_rows("target", "drafter", "anchor", ["dflash", "fold", cli.ANCHOR_ROW], 64, 2.0, 256,
-                         draft_cutoff=0.4)
+    rows = experiment.make_rows("target", "drafter", "anchor", ["dflash", "fold", experiment.ANCHOR_ROW], 64, 2.0,
+                                256, draft_cutoff=0.4)
     for row in rows:
         row.run(torch.zeros(1, 4, dtype=torch.long), 2)
     assert seen == [("AR", None), ("dflash", 0.4), ("fold", 0.4), ("dflash", 0.4)]
@@ -199,8 +202,8 @@ def test_a_row_runs_the_policy_a_script_gives_it(monkeypatch):
         (k["policy"], k.get("far_budget"), k.get("window"))))
     monkeypatch.setattr(spec_decode, "autoregressive", lambda *a, **k: None)
     mine = lambda request: None  # noqa: E731
-    rows = cli.make_rows("target", "drafter", "anchor", ["fold", cli.BUDGET_ROW], 64, 2.0, 256, far_budget=512,
-                         policies={cli.BUDGET_ROW: mine})
+    rows = experiment.make_rows("target", "drafter", "anchor", ["fold", experiment.BUDGET_ROW], 64, 2.0, 256,
+                                far_budget=512, policies={experiment.BUDGET_ROW: mine})
     for row in rows:
         row.run(torch.zeros(1, 4, dtype=torch.long), 2)
     assert seen == [("fold", None, 64), (mine, None, None)]
@@ -223,28 +226,30 @@ def test_the_budget_row_is_fold_with_its_far_budget(monkeypatch):
     monkeypatch.setattr(spec_decode, "generate", lambda *a, **k: seen.append(
         (k["policy"], k.get("far_budget"), k.get("far_page"), k.get("window"))))
     monkeypatch.setattr(spec_decode, "autoregressive", lambda *a, **k: None)
-    rows = cli.make_rows("target", "drafter", "anchor", ["fold", cli.BUDGET_ROW], 64, 2.0, 256, far_budget=512,
-                         far_page=32)
+    rows = experiment.make_rows("target", "drafter", "anchor", ["fold", experiment.BUDGET_ROW], 64, 2.0, 256,
+                                far_budget=512, far_page=32)
     for row in rows:
         row.run(torch.zeros(1, 4, dtype=torch.long), 2)
     assert [r.name for r in rows] == ["AR", "fold", "fold-budget"]
     assert seen == [("fold", None, None, 64), ("fold", 512, 32, 64)]
-    assert cli.BUDGET_ROW in cli.PRESETS["default"]["rows"] and cli.BUDGET_ROW in cli.REAL_PRESETS["default"]["rows"]
+    assert experiment.BUDGET_ROW in cli.PRESETS["default"]["rows"]
+    assert experiment.BUDGET_ROW in cli.REAL_PRESETS["default"]["rows"]
 
 
 def test_the_budget_row_is_paired_against_fold():
     """The fold-budget row's tau minus FOLD's on the same prompts, with its CI, in the records and the table."""
-    taus = {"AR": [1.0, 1.0, 1.0], "window": [1.5, 1.0, 2.0], "fold": [2.0, 3.0, 2.5], cli.BUDGET_ROW: [2.0, 2.5, 2.0]}
+    taus = {"AR": [1.0, 1.0, 1.0], "window": [1.5, 1.0, 2.0], "fold": [2.0, 3.0, 2.5],
+            experiment.BUDGET_ROW: [2.0, 2.5, 2.0]}
     rows = []
     for name, values in taus.items():
-        row = cli.Row(name, None)
+        row = experiment.Row(name, None)
         row.taus, row.tpots = values, [[1.0]] * 3
         rows.append(row)
-    records = {r["policy"]: r for r in cli.cell_records("code", 4096, rows)}
-    budget = records[cli.BUDGET_ROW]
+    records = {r["policy"]: r for r in experiment.cell_records("code", 4096, rows)}
+    budget = records[experiment.BUDGET_ROW]
     assert budget["tau_minus_fold"] == pytest.approx(-1 / 3, abs=ROUNDED)
     assert budget["tau_minus_fold_ci"] == [round(x, 4) for x in spec_decode.bootstrap_ci([[0.0, -0.5, -0.5]])[1:]]
-    assert all("tau_minus_fold" not in r for name, r in records.items() if name != cli.BUDGET_ROW)
+    assert all("tau_minus_fold" not in r for name, r in records.items() if name != experiment.BUDGET_ROW)
     table = cli.format_table(list(records.values()))
     assert "tau - FOLD (paired; the far budget's cost)" in table and "fold-budget" in table
 
@@ -252,11 +257,11 @@ def test_the_budget_row_is_paired_against_fold():
 def test_a_far_budget_too_small_for_the_drafters_block_is_refused(monkeypatch, tmp_path, capsys):
     """Checked against the drafter's block once it is loaded, before any run."""
     drafter = type("D", (), {"cfg": type("C", (), {"rope": fold.Rope.from_theta(1e4, 16), "block_size": 16})()})()
-    monkeypatch.setattr(cli, "load_pair", lambda *a: ("target", drafter, None, None))
-    monkeypatch.setattr(cli, "run_comparison", lambda *a, **k: pytest.fail("nothing may run for a bad budget"))
+    monkeypatch.setattr(experiment, "load_pair", lambda *a: ("target", drafter, None, None))
+    monkeypatch.setattr(experiment, "run_comparison", lambda *a, **k: pytest.fail("nothing may run for a bad budget"))
     with pytest.raises(SystemExit) as info:
-        cli.main(["--rows", cli.BUDGET_ROW, "--far-budget", "64", "--far-page", "64", "--out", str(tmp_path / "o"),
-                  "--no-progress"])
+        cli.main(["--rows", experiment.BUDGET_ROW, "--far-budget", "64", "--far-page", "64",
+                  "--out", str(tmp_path / "o"), "--no-progress"])
     assert info.value.code == 2
     assert "far_budget must hold at least 2 pages of far_page=64 entries for a block of 16 rows" in \
         capsys.readouterr().err
@@ -266,10 +271,11 @@ def test_the_shipped_pair_is_lossless_with_a_far_budget(pair, held_ids):
     pytest.importorskip("fold.far_pages")
     target, drafter, _, tokenizer = pair
     rng = random.Random(8)
-    prompts = [torch.tensor(data.code_prompt(held_ids, rng, 300)),
-               torch.tensor(data.retrieval_prompt(rng, tokenizer, 400, 200)[0])]
+    prompts = [torch.tensor(code_prompt(held_ids, rng, 300)),
+               torch.tensor(retrieval_prompt(rng, tokenizer, 400, 200)[0])]
     ids, mask = padded_batch(prompts)
-    opts = cli.policy_options(cli.BUDGET_ROW, window=32, alpha=2.0, train_len=64, far_budget=64, far_page=16)
+    opts = experiment.policy_options(experiment.BUDGET_ROW, window=32, alpha=2.0, train_len=64, far_budget=64,
+                                     far_page=16)
     out = spec_decode.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12, policy="fold", **opts)
     for b, p in enumerate(prompts):
         expected = greedy_ar(target, p, 12)
@@ -284,7 +290,7 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
     k, v = torch.randn(1, 40, cfg.heads_kv, cfg.head_dim), torch.randn(1, 40, cfg.heads_kv, cfg.head_dim)
     truth, _ = rope_attention_ref(q, k, v, rope=rope)
     same_dtype, _ = rope_attention_ref(q, k, v, rope=rope, upcast=False)
-    check_close("shift 0 vs plain read", cli.shifted_read(rope, 0)(q, k, v, 0), truth, same_dtype, torch.float32)
+    check_close("shift 0 vs plain read", experiment.shifted_read(rope, 0)(q, k, v, 0), truth, same_dtype, torch.float32)
     # shifted by s: the block's queries and keys at positions s later, i.e. turned by R_s before a plain
     # read (R_s formed in float64 for both the truth and the float32 twin)
     turn = dict(inv_freq=rope.inv_freq, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved)
@@ -292,7 +298,7 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
     k_s = torch.cat([k[:, :32].double(), apply_rope(k[:, 32:].double(), torch.tensor(4096), **turn)], 1)
     truth, _ = rope_attention_ref(q_s, k_s, v, rope=rope)
     same_dtype, _ = rope_attention_ref(q_s.float(), k_s.float(), v, rope=rope, upcast=False)
-    check_close("shift 4096", cli.shifted_read(rope, 4096)(q, k, v, 0), truth, same_dtype, torch.float32)
+    check_close("shift 4096", experiment.shifted_read(rope, 4096)(q, k, v, 0), truth, same_dtype, torch.float32)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -310,14 +316,14 @@ def test_shift_read_at_zero_equals_the_plain_read(pair):
     (["--artifacts", "/nonexistent/pair"], "must hold target/, drafter/, drafter_anchor/"),
 ])
 def test_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
+    monkeypatch.setattr(experiment, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
     with pytest.raises(SystemExit) as info:
         cli.main(args + ["--out", str(tmp_path / "o"), "--no-progress"])
     assert info.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_demo_checks_out_before_any_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_pair", lambda *a: pytest.fail("the pair must not load for a bad --out"))
+    monkeypatch.setattr(experiment, "load_pair", lambda *a: pytest.fail("the pair must not load for a bad --out"))
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(SystemExit) as info:

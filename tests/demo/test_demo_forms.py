@@ -1,6 +1,7 @@
-"""The real drafter's training forms and the held-out retrieval forms (``fold.demo.data``): each
-document copies what it says it copies, the evaluation's values cannot come out of a training form,
-and the held-out prompts store their value far back and ask for it at the end."""
+"""The real drafter's training forms and the held-out retrieval forms (``fold.demo.forms``,
+``fold.demo.prompts``): each document copies what it says it copies, the evaluation's values cannot
+come out of a training form, and the held-out prompts store their value far back and ask for it at
+the end."""
 
 import json
 import random
@@ -10,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from fold.demo import data, real
+from fold.demo import corpus, forms, prompts, real, tokens
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
@@ -41,7 +42,7 @@ def stdlib(tmp_path_factory):
     rng = random.Random(0)
     for name in ("alpha", "beta", "gamma"):
         (root / f"{name}.py").write_text(_module(rng, name, 60))
-    for pkg in data.HELD_OUT:
+    for pkg in corpus.HELD_OUT:
         (root / pkg).mkdir()
         (root / pkg / "__init__.py").write_text(_module(rng, pkg, 40))
     (root / "pydoc_data").mkdir()
@@ -53,12 +54,12 @@ def stdlib(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sources(stdlib):
-    return data.training_sources(stdlib)
+    return corpus.training_sources(stdlib)
 
 
 @pytest.fixture(scope="module")
 def held_prose(stdlib):
-    return data.prose_paragraphs("".join(data.held_out_code(stdlib).values()))
+    return corpus.prose_paragraphs("".join(corpus.held_out_code(stdlib).values()))
 
 
 def _render(messages):
@@ -68,10 +69,10 @@ def _render(messages):
 @pytest.fixture(scope="module")
 def tokenizer(sources, held_prose, tmp_path_factory):
     rng = random.Random(1)
-    texts = [sources.code, "\n".join(held_prose), " ".join(data.HELD_OUT_LEXICON + data.TRAIN_WORDS)]
-    texts += [data.training_document(rng, form, sources, 3000, _render)[0] for form in data.TRAINING_FORMS]
+    texts = [sources.code, "\n".join(held_prose), " ".join(prompts.HELD_OUT_LEXICON + forms.TRAIN_WORDS)]
+    texts += [forms.training_document(rng, form, sources, 3000, _render)[0] for form in forms.TRAINING_FORMS]
     path = tmp_path_factory.mktemp("tok")
-    data.save_tokenizer(data.train_tokenizer(texts, 600), path)
+    tokens.save_tokenizer(tokens.train_tokenizer(texts, 600), path)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -79,37 +80,37 @@ def tokenizer(sources, held_prose, tmp_path_factory):
 
 # -- lexicons --------------------------------------------------------------------------------------------
 
-EVAL_WORDS = re.compile(r"\b(" + "|".join(w for w in data.HELD_OUT_LEXICON if len(w) >= 4) + r")\b", re.I)
-PLANT_VALUE = re.compile(r"\b(" + "|".join(data.PLANT_WORDS) + r")-(" + "|".join(data.PLANT_WORDS) + r")-\d\d\b")
+EVAL_WORDS = re.compile(r"\b(" + "|".join(w for w in prompts.HELD_OUT_LEXICON if len(w) >= 4) + r")\b", re.I)
+PLANT_VALUE = re.compile(r"\b(" + "|".join(prompts.PLANT_WORDS) + r")-(" + "|".join(prompts.PLANT_WORDS) + r")-\d\d\b")
 
 
 def test_training_and_evaluation_lexicons_are_disjoint():
-    train = {w.lower() for w in data.TRAIN_WORDS + data.TRAIN_NAMES}
-    held_out = {w.lower() for w in data.HELD_OUT_LEXICON}
-    assert set(data.PLANT_WORDS) <= held_out and len(train) == len(data.TRAIN_WORDS) + len(data.TRAIN_NAMES)
+    train = {w.lower() for w in forms.TRAIN_WORDS + forms.TRAIN_NAMES}
+    held_out = {w.lower() for w in prompts.HELD_OUT_LEXICON}
+    assert set(prompts.PLANT_WORDS) <= held_out and len(train) == len(forms.TRAIN_WORDS) + len(forms.TRAIN_NAMES)
     assert not train & held_out, sorted(train & held_out)
 
 
 def test_no_training_form_writes_an_evaluation_value_or_template(sources):
-    for form in data.TRAINING_FORMS:
+    for form in forms.TRAINING_FORMS:
         for seed in range(25):
-            text, _ = data.training_document(random.Random(seed), form, sources, 3000, _render)
+            text, _ = forms.training_document(random.Random(seed), form, sources, 3000, _render)
             assert EVAL_WORDS.search(text) is None, (form, EVAL_WORDS.search(text))
-            assert re.search(data.TRACKING_PATTERN, text) is None and PLANT_VALUE.search(text) is None, form
-            assert not [cue for cue in data.HELD_OUT_CUES if cue in text], form
+            assert re.search(prompts.TRACKING_PATTERN, text) is None and PLANT_VALUE.search(text) is None, form
+            assert not [cue for cue in prompts.HELD_OUT_CUES if cue in text], form
     rng = random.Random(0)
     for _ in range(3000):                    # the value formats alone: none is a tracking number or a plant
-        for value in (data.train_value(rng), data.random_id(rng)):
-            assert not re.fullmatch(data.TRACKING_PATTERN[2:-2], value) and not PLANT_VALUE.search(value), value
+        for value in (forms.train_value(rng), forms.random_id(rng)):
+            assert not re.fullmatch(prompts.TRACKING_PATTERN[2:-2], value) and not PLANT_VALUE.search(value), value
 
 
 def test_the_value_detectors_find_every_evaluation_value(tokenizer, held_prose, stdlib):
     """The checks above can fail: they find the values of each evaluation prompt."""
     rng = random.Random(3)
-    email, _ = data.email_retrieval_prompt(rng, tokenizer, held_prose, 2400, 1200)
-    minutes, _ = data.minutes_retrieval_prompt(rng, tokenizer, held_prose, 2400, 1200)
-    planted, _ = data.planted_retrieval_prompt(rng, tokenizer, data.held_out_code(stdlib), 2400, 1200)
-    assert re.search(data.TRACKING_PATTERN, tokenizer.decode(email)) and EVAL_WORDS.search(tokenizer.decode(email))
+    email, _ = prompts.email_retrieval_prompt(rng, tokenizer, held_prose, 2400, 1200)
+    minutes, _ = prompts.minutes_retrieval_prompt(rng, tokenizer, held_prose, 2400, 1200)
+    planted, _ = prompts.planted_retrieval_prompt(rng, tokenizer, corpus.held_out_code(stdlib), 2400, 1200)
+    assert re.search(prompts.TRACKING_PATTERN, tokenizer.decode(email)) and EVAL_WORDS.search(tokenizer.decode(email))
     assert EVAL_WORDS.search(tokenizer.decode(minutes)) and "will be held at" in tokenizer.decode(minutes)
     assert PLANT_VALUE.search(tokenizer.decode(planted))
 
@@ -118,28 +119,28 @@ def test_the_value_detectors_find_every_evaluation_value(tokenizer, held_prose, 
 
 def test_prose_comes_from_docstrings_comments_the_reference_and_the_license(stdlib, sources):
     code = (stdlib / "alpha.py").read_text()
-    paras = data.prose_paragraphs(data.read_files([stdlib / "alpha.py"], stdlib))
+    paras = corpus.prose_paragraphs(corpus.read_files([stdlib / "alpha.py"], stdlib))
     module_doc = code.split('"""')[1].split("\n\n")[0].strip()
     comment = " ".join([line[2:] for line in code.splitlines() if line.startswith("# ")][:2])
     assert paras[0] == module_doc and comment in paras
     assert not [p for p in paras if ">>>" in p or "return y" in p]              # no doctest, no code
-    reference = data.reference_prose(stdlib)
+    reference = corpus.reference_prose(stdlib)
     assert len(reference) == 20 * 2 + 5 and reference[-1] in (stdlib / "LICENSE.txt").read_text()
     assert set(reference) <= set(sources.prose)
-    held = data.prose_paragraphs("".join(data.held_out_code(stdlib).values()))
+    held = corpus.prose_paragraphs("".join(corpus.held_out_code(stdlib).values()))
     assert held and not set(held) & set(sources.prose)                # held-out prose is never a training source
 
 
-@pytest.mark.parametrize("form", data.TRAINING_FORMS)
+@pytest.mark.parametrize("form", forms.TRAINING_FORMS)
 def test_each_training_form_copies_what_it_reports_and_copy_mask_marks_it(form, sources, tokenizer):
-    """Every reported copy occurs earlier and again later; :func:`data.copy_mask` (matches of up to 8
+    """Every reported copy occurs earlier and again later; :func:`tokens.copy_mask` (matches of up to 8
     tokens) marks nearly every token of the later occurrences past their first two."""
     marked = total = 0
     for seed in range(6):
-        text, copied = data.training_document(random.Random(seed), form, sources, 2500, _render)
+        text, copied = forms.training_document(random.Random(seed), form, sources, 2500, _render)
         assert copied, form
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        mask = data.copy_mask(torch.tensor([enc.input_ids]), max_order=8)[0]
+        mask = tokens.copy_mask(torch.tensor([enc.input_ids]), max_order=8)[0]
         for c in copied:
             first = text.find(c)
             later = text.find(c, first + 1)
@@ -154,32 +155,32 @@ def test_each_training_form_copies_what_it_reports_and_copy_mask_marks_it(form, 
 def test_code_form_is_held_in_code_with_its_lines_recurring(sources):
     lines_of_code = set(sources.code.split("\n"))
     for seed in range(10):
-        text, copied = data.code_repeats_document(random.Random(seed), sources.code, 3000)
+        text, copied = forms.code_repeats_document(random.Random(seed), sources.code, 3000)
         assert set(text.split("\n")[:-1]) <= lines_of_code                 # nothing but real lines
         assert "# file: asyncio" not in text and copied
 
 
 def test_planted_form_uses_training_words_only(sources):
-    text, planted = data.planted_document(random.Random(5), sources.code, 3000)
+    text, planted = forms.planted_document(random.Random(5), sources.code, 3000)
     lines = text.split("\n")
     for line in planted:
         key, value = re.fullmatch(r'SECRET_([A-Z]+)_\d{4} = "([a-z]+-[a-z]+)-\d\d"', line).groups()
-        assert key.lower() in data.TRAIN_WORDS and set(value.split("-")) <= set(data.TRAIN_WORDS)
+        assert key.lower() in forms.TRAIN_WORDS and set(value.split("-")) <= set(forms.TRAIN_WORDS)
         first, last = lines.index(line), len(lines) - 1 - lines[::-1].index(line)
         assert lines.count(line) == 2 and first < len(lines) // 2 + len(planted) <= last
 
 
 def test_form_sample_has_the_length_and_refuses_what_it_cannot_render(sources, tokenizer):
-    for form in data.TRAINING_FORMS:
-        ids = data.form_sample(random.Random(0), tokenizer, form, sources, 300)
-        assert len(ids) == 300 and ids == data.form_sample(random.Random(0), tokenizer, form, sources, 300)
-    chat = tokenizer.decode(data.form_sample(random.Random(0), tokenizer, "chat", sources, 512))
+    for form in forms.TRAINING_FORMS:
+        ids = forms.form_sample(random.Random(0), tokenizer, form, sources, 300)
+        assert len(ids) == 300 and ids == forms.form_sample(random.Random(0), tokenizer, form, sources, 300)
+    chat = tokenizer.decode(forms.form_sample(random.Random(0), tokenizer, "chat", sources, 512))
     assert chat.startswith("<|im_start|>") and "<|im_start|>assistant" in chat
     bare = transformers.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     with pytest.raises(ValueError, match="chat template"):
-        data.form_sample(random.Random(0), bare, "chat", sources, 300)
+        forms.form_sample(random.Random(0), bare, "chat", sources, 300)
     with pytest.raises(ValueError, match="unknown training form 'poems'"):
-        data.training_document(random.Random(0), "poems", sources, 300)
+        forms.training_document(random.Random(0), "poems", sources, 300)
 
 
 # -- held-out retrieval forms --------------------------------------------------------------------------
@@ -196,9 +197,9 @@ def _check_far_question(tokenizer, prompt, answer, length, cue):
 @pytest.mark.parametrize("length", [2000, 3000])
 def test_email_prompt_asks_for_a_tracking_number_stored_far_back(tokenizer, held_prose, length):
     for seed in range(4):
-        prompt, answer = data.email_retrieval_prompt(random.Random(seed), tokenizer, held_prose, length, length // 2)
+        prompt, answer = prompts.email_retrieval_prompt(random.Random(seed), tokenizer, held_prose, length, length // 2)
         value = _check_far_question(tokenizer, prompt, answer, length, "the tracking number is")
-        assert re.fullmatch(" " + data.TRACKING_PATTERN, value) and value[1:3] in data.TRACKING_PREFIXES
+        assert re.fullmatch(" " + prompts.TRACKING_PATTERN, value) and value[1:3] in prompts.TRACKING_PREFIXES
         text = tokenizer.decode(prompt)
         assert f"The tracking number is{value}," in text and text.count("Subject: Re:") >= 2
 
@@ -206,29 +207,29 @@ def test_email_prompt_asks_for_a_tracking_number_stored_far_back(tokenizer, held
 @pytest.mark.parametrize("length", [2000, 3000])
 def test_minutes_prompt_asks_for_a_venue_stored_far_back(tokenizer, held_prose, length):
     for seed in range(4):
-        prompt, answer = data.minutes_retrieval_prompt(random.Random(seed), tokenizer, held_prose, length,
+        prompt, answer = prompts.minutes_retrieval_prompt(random.Random(seed), tokenizer, held_prose, length,
                                                        length // 2)
         value = _check_far_question(tokenizer, prompt, answer, length, "will be held at")
         place, kind, number, street, way = re.fullmatch(r" (\w+) (\w+), (\d+) (\w+) (\w+)", value).groups()
-        assert (place, kind, street, way) in [(p, k, s, w) for p in data.VENUE_PLACES for k in data.VENUE_KINDS
-                                              for s in data.VENUE_STREETS for w in data.VENUE_WAYS]
+        assert (place, kind, street, way) in [(p, k, s, w) for p in prompts.VENUE_PLACES for k in prompts.VENUE_KINDS
+                                              for s in prompts.VENUE_STREETS for w in prompts.VENUE_WAYS]
         assert tokenizer.decode(prompt).count("## Decisions") >= 2
 
 
-@pytest.mark.parametrize("form", sorted(data.HELD_OUT_FORMS))
+@pytest.mark.parametrize("form", sorted(prompts.HELD_OUT_FORMS))
 def test_held_out_forms_refuse_a_distance_they_cannot_keep(form, tokenizer, held_prose):
     with pytest.raises(ValueError, match="too short to store a value"):
-        data.HELD_OUT_FORMS[form](random.Random(0), tokenizer, held_prose, 1200, 1190)
+        prompts.HELD_OUT_FORMS[form](random.Random(0), tokenizer, held_prose, 1200, 1190)
 
 
 @pytest.mark.skipif(not real.is_converted(real.default_target_dir()), reason="the real target is not converted here")
-@pytest.mark.parametrize("form", sorted(data.HELD_OUT_FORMS))
+@pytest.mark.parametrize("form", sorted(prompts.HELD_OUT_FORMS))
 def test_held_out_forms_with_the_real_tokenizer(form):
     tok = transformers.AutoTokenizer.from_pretrained(real.default_target_dir())
-    prose = data.prose_paragraphs("".join(data.held_out_code().values()))
+    prose = corpus.prose_paragraphs("".join(corpus.held_out_code().values()))
     cue = {"email": "the tracking number is", "minutes": "will be held at"}[form]
     for length in (2048, 8128):
-        prompt, answer = data.HELD_OUT_FORMS[form](random.Random(length), tok, prose, length, length // 2)
+        prompt, answer = prompts.HELD_OUT_FORMS[form](random.Random(length), tok, prose, length, length // 2)
         _check_far_question(tok, prompt, answer, length, cue)
 
 
@@ -269,8 +270,9 @@ def test_extract_caches_one_form_per_folder_resumably(fake_real_target, stdlib, 
     assert resumed.keys() == straight.keys() == {"ids", "features", "greedy", "copy"}
     assert all(torch.equal(resumed[k], straight[k]) for k in resumed)
     assert resumed["features"].shape == (2, 256, 2 * 64) and resumed["features"].dtype == torch.bfloat16
-    longest = data.copy_mask(resumed["ids"].long(), max_order=8)         # random ids: unlike the latest-pair mask
-    assert torch.equal(resumed["copy"].bool(), longest) and not torch.equal(longest, data.copy_mask(resumed["ids"].long()))
+    longest = tokens.copy_mask(resumed["ids"].long(), max_order=8)         # random ids: unlike the latest-pair mask
+    assert torch.equal(resumed["copy"].bool(), longest)
+    assert not torch.equal(longest, tokens.copy_mask(resumed["ids"].long()))
     other = load_file(str(train_real_drafter.shard_path(tmp_path / "a", 0)))
     with pytest.raises(SystemExit, match="other settings .*'form': \\('strings', 'prose'\\)"):
         _extract(tmp_path / "a", stdlib, "prose", 3, 256)                     # a cache holds one form
@@ -359,15 +361,15 @@ def test_real_retrieval_cells_keep_the_answered_prompts_of_each_form(tokenizer, 
     """Per retrieval task (the training format and each held-out form) a cell keeps the first prompts
     whose stored value the target's output begins with, and records and prints answered/drawn and
     the cell's scope; the code cell runs every prompt and carries neither."""
-    from fold.demo import cli
+    from fold.demo import cli, experiment
 
-    held_text = data.held_out_code(stdlib)
-    held_ids = {name: data.encode(tokenizer, text) for name, text in held_text.items()}
-    tasks, length, wanted = ["code", "retrieval", *cli.HELD_OUT_TASKS], 2000, 2
+    held_text = corpus.held_out_code(stdlib)
+    held_ids = {name: tokens.encode(tokenizer, text) for name, text in held_text.items()}
+    tasks, length, wanted = ["code", "retrieval", *experiment.HELD_OUT_TASKS], 2000, 2
     answerable = {}                                       # prompt -> the value the fake target "retrieves"
     for task in tasks[1:]:
-        ids, _, answers = cli.prompts_for(task, length, wanted * cli.RETRIEVAL_DRAWS, 0, held_ids, tokenizer, 8,
-                                          held_text)
+        ids, _, answers = experiment.prompts_for(task, length, wanted * experiment.RETRIEVAL_DRAWS, 0, held_ids,
+                                                 tokenizer, 8, held_text)
         for i in (1, 3):                                   # the 2nd and 4th drawn are answered: 4 drawn for 2
             answerable[tuple(ids[i].tolist())] = answers[i]
 
@@ -375,33 +377,36 @@ def test_real_retrieval_cells_keep_the_answered_prompts_of_each_form(tokenizer, 
         said = answerable.get(tuple(prompt[0].tolist()), [0] * n_new)
         return _Result(torch.cat([prompt, torch.tensor([said[:n_new] + [0] * (n_new - len(said))])], 1))
 
-    monkeypatch.setattr(cli, "make_rows", lambda *a, **k: [cli.Row("AR", run), cli.Row("fold", run)])
-    records = cli.run_comparison("target", "drafter", None, tokenizer, held_ids=held_ids, tasks=tasks,
-                                 lengths=[length], rows=["fold"], prompts=wanted, new_tokens=8, repeats=1,
-                                 window=64, alpha=2.0, seed=0, train_len=64, held_text=held_text)
+    monkeypatch.setattr(experiment, "make_rows",
+                        lambda *a, **k: [experiment.Row("AR", run), experiment.Row("fold", run)])
+    records = experiment.run_comparison("target", "drafter", None, tokenizer, held_ids=held_ids, tasks=tasks,
+                                        lengths=[length], rows=["fold"], prompts=wanted, new_tokens=8, repeats=1,
+                                        window=64, alpha=2.0, seed=0, train_len=64, held_text=held_text)
     for task in tasks:
         recs = [r for r in records if r["task"] == task]
         assert [r["policy"] for r in recs] == ["AR", "fold"] and all(r["n_prompts"] == wanted for r in recs)
         if task == "code":
             assert not {"scope", "prompts_drawn"} & set(recs[0])
             continue
-        assert {(r["prompts_answered"], r["prompts_drawn"], r["scope"]) for r in recs} == {(2, 4, cli.SCOPES[task])}
+        assert {(r["prompts_answered"], r["prompts_drawn"], r["scope"]) for r in recs} == {
+            (2, 4, experiment.SCOPES[task])}
     table = cli.format_table(records)
     assert "retrieval: in the drafter's training format" in table
-    for task in cli.HELD_OUT_TASKS:
+    for task in experiment.HELD_OUT_TASKS:
         assert f"{task}: held out from the drafter's training" in table and f"{task}: measured on" in table
     assert table.count(f"answered/drawn: {length}: 2/4") == 3
 
 
 def test_held_out_tasks_need_the_held_out_text_and_the_real_pair(tokenizer, capsys, monkeypatch, tmp_path):
-    from fold.demo import cli
+    from fold.demo import cli, experiment
 
     with pytest.raises(ValueError, match="needs held_text"):
-        cli.prompts_for("retrieval-email", 2000, 1, 0, {}, tokenizer, 8)
+        experiment.prompts_for("retrieval-email", 2000, 1, 0, {}, tokenizer, 8)
     with pytest.raises(ValueError, match="unknown task 'retrieval-poems'"):
-        cli.prompts_for("retrieval-poems", 2000, 1, 0, {}, tokenizer, 8, {})
-    assert set(cli.HELD_OUT_TASKS) == {f"retrieval-{form}" for form in data.HELD_OUT_FORMS} == set(cli.SCOPES) - {"retrieval"}
-    monkeypatch.setattr(cli, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
+        experiment.prompts_for("retrieval-poems", 2000, 1, 0, {}, tokenizer, 8, {})
+    assert set(experiment.HELD_OUT_TASKS) == {f"retrieval-{form}" for form in prompts.HELD_OUT_FORMS} \
+        == set(experiment.SCOPES) - {"retrieval"}
+    monkeypatch.setattr(experiment, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
     with pytest.raises(SystemExit) as info:
         cli.main(["--tasks", "code", "retrieval-minutes", "--out", str(tmp_path), "--no-progress"])
     assert info.value.code == 2 and "--tasks retrieval-minutes go with --real" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fold.demo import cli, data, real
+from fold.demo import cli, corpus, experiment, prompts, real, tokens
 
 
 HAVE_TARGET = real.is_converted(real.default_target_dir())
@@ -22,33 +22,33 @@ def code_and_tokenizer(tmp_path_factory):
 
     rng = random.Random(0)
     code = {pkg: "".join(f"def {pkg}_{i}(x):\n    return x * {rng.randint(0, 99)} + {i}\n" for i in range(400))
-            for pkg in data.HELD_OUT}
-    texts = list(code.values()) + [" ".join(data.PLANT_WORDS), "SECRET_ = \"-\"\n"]
+            for pkg in corpus.HELD_OUT}
+    texts = list(code.values()) + [" ".join(prompts.PLANT_WORDS), "SECRET_ = \"-\"\n"]
     path = tmp_path_factory.mktemp("tok")
-    data.save_tokenizer(data.train_tokenizer(texts, 400), path)
+    tokens.save_tokenizer(tokens.train_tokenizer(texts, 400), path)
     return code, transformers.AutoTokenizer.from_pretrained(path)
 
 
 def test_planted_retrieval_prompt_plants_one_far_line_and_asks_for_it(code_and_tokenizer):
     code, tokenizer = code_and_tokenizer
     for seed in range(4):
-        prompt, answer = data.planted_retrieval_prompt(random.Random(seed), tokenizer, code, 600, 300)
+        prompt, answer = prompts.planted_retrieval_prompt(random.Random(seed), tokenizer, code, 600, 300)
         text = tokenizer.decode(prompt)
         key = text.rsplit("\n", 1)[-1]
         value = tokenizer.decode(answer)
         assert len(prompt) == 600 and key.startswith("SECRET_") and key.endswith(' = "') and value.endswith('"')
         stored = f"\n{key}{value}\n"
         assert text.count(key) == 2 and stored in text                     # stored once, then asked
-        back = len(data.encode(tokenizer, text[text.index(stored) + 1:]))
+        back = len(tokens.encode(tokenizer, text[text.index(stored) + 1:]))
         assert back >= 300, back
         word1, word2, number = value[:-1].split("-")
-        assert word1 in data.PLANT_WORDS and word2 in data.PLANT_WORDS and 10 <= int(number) <= 99
+        assert word1 in prompts.PLANT_WORDS and word2 in prompts.PLANT_WORDS and 10 <= int(number) <= 99
 
 
 def test_planted_retrieval_prompt_refuses_a_distance_it_cannot_keep(code_and_tokenizer):
     code, tokenizer = code_and_tokenizer
     with pytest.raises(ValueError, match="planted line"):
-        data.planted_retrieval_prompt(random.Random(0), tokenizer, code, 600, 590)
+        prompts.planted_retrieval_prompt(random.Random(0), tokenizer, code, 600, 590)
 
 
 def test_missing_package_is_a_clear_message(monkeypatch, tmp_path):
@@ -68,7 +68,7 @@ def test_missing_package_is_a_clear_message(monkeypatch, tmp_path):
     (["--real", "--drafter", "/nonexistent/drafter"], "no drafter at /nonexistent/drafter"),
 ])
 def test_real_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "load_real_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
+    monkeypatch.setattr(experiment, "load_real_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
     with pytest.raises(SystemExit) as info:
         cli.main(args + ["--out", str(tmp_path / "o"), "--no-progress"])
     assert info.value.code == 2 and words in capsys.readouterr().err
@@ -79,7 +79,7 @@ def test_real_demo_refuses_lengths_past_the_targets_positions(capsys, monkeypatc
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
     monkeypatch.setattr(real, "is_converted", lambda folder: True)
-    monkeypatch.setattr(cli, "load_real_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
+    monkeypatch.setattr(experiment, "load_real_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
     with pytest.raises(SystemExit) as info:
         cli.main(["--real", "--drafter", str(drafter), "--lengths", "8192", "--out", str(tmp_path / "o"),
                   "--no-progress"])

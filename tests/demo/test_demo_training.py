@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import fold.demo
-from fold.demo import FoldToyConfig, FoldToyForCausalLM, data
+from fold.demo import FoldToyConfig, FoldToyForCausalLM, corpus, documents, prompts, tokens
 from fold.spec_decode import load_drafter
 from reference.tolerance import check_close
 
@@ -27,7 +27,7 @@ def tiny_stdlib(tmp_path_factory):
     rng = random.Random(0)
     for name in ("alpha", "beta", "gamma"):
         (root / f"{name}.py").write_text("".join(f"def {name}_{i}(x):\n    return x + {i}\n" for i in range(200)))
-    for pkg in data.HELD_OUT:
+    for pkg in corpus.HELD_OUT:
         (root / pkg).mkdir()
         (root / pkg / "__init__.py").write_text("".join(f"{pkg}_{rng.randint(0, 9)} = {i}\n" for i in range(300)))
     return root
@@ -35,33 +35,34 @@ def tiny_stdlib(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tiny_stdlib, tmp_path_factory):
-    code, _ = data.split_corpus(tiny_stdlib)
+    code, _ = corpus.split_corpus(tiny_stdlib)
     rng = random.Random(1)
-    texts = [code] + [data.training_text(rng, code, 2000, kind) for kind in ("kv", "lines", "strings") for _ in range(3)]
+    texts = [code] + [documents.training_text(rng, code, 2000, kind) for kind in ("kv", "lines", "strings")
+                      for _ in range(3)]
     path = tmp_path_factory.mktemp("tok")
-    data.save_tokenizer(data.train_tokenizer(texts, 400), path)
+    tokens.save_tokenizer(tokens.train_tokenizer(texts, 400), path)
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
 def test_split_keeps_held_out_packages_out_of_training(tiny_stdlib):
-    train, held = data.split_corpus(tiny_stdlib)
-    assert set(held) == set(data.HELD_OUT)
-    for pkg in data.HELD_OUT:
+    train, held = corpus.split_corpus(tiny_stdlib)
+    assert set(held) == set(corpus.HELD_OUT)
+    for pkg in corpus.HELD_OUT:
         assert f"# file: {pkg}/" not in train and held[pkg].startswith(f"# file: {pkg}/")
     assert "# file: alpha.py" in train
 
 
 def test_tokenizer_loads_with_autotokenizer_and_round_trips(tiny_tokenizer):
     assert len(tiny_tokenizer) == 400
-    assert tiny_tokenizer.convert_ids_to_tokens(tiny_tokenizer.mask_token_id) == data.MASK_TOKEN
+    assert tiny_tokenizer.convert_ids_to_tokens(tiny_tokenizer.mask_token_id) == tokens.MASK_TOKEN
     text = "def alpha_3(x):\n    return x + 3\nkey_12: 0f3a9c2e 77bd0a4c\n"
-    ids = data.encode(tiny_tokenizer, text)
+    ids = tokens.encode(tiny_tokenizer, text)
     assert tiny_tokenizer.decode(ids) == text and len(ids) < len(text)          # subwords, not bytes
-    assert data.MASK_TOKEN not in tiny_tokenizer.decode(ids)
+    assert tokens.MASK_TOKEN not in tiny_tokenizer.decode(ids)
 
 
 def test_retrieval_prompt_asks_for_a_far_key(tiny_tokenizer):
-    prompt, answer = data.retrieval_prompt(random.Random(3), tiny_tokenizer, 600, 300)
+    prompt, answer = prompts.retrieval_prompt(random.Random(3), tiny_tokenizer, 600, 300)
     text = tiny_tokenizer.decode(prompt)
     key = text.rsplit("\n", 1)[-1]
     value = tiny_tokenizer.decode(answer)
@@ -73,7 +74,7 @@ def test_retrieval_prompt_asks_for_a_far_key(tiny_tokenizer):
 
 def test_copy_mask_marks_continuations_of_earlier_ngrams():
     ids = torch.tensor([[5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 9]])
-    mask = data.copy_mask(ids, order=2)[0].tolist()
+    mask = tokens.copy_mask(ids, order=2)[0].tolist()
     # "5 6" is followed by 7 twice (position 7 is a copy); at position 11 it is followed by 9, not 7
     assert mask == [False] * 7 + [True] + [False] * 4
 
@@ -82,11 +83,11 @@ def test_copy_mask_longest_match_predicts_from_the_better_occurrence():
     # "8 1 2" is followed by 4, then "9 1 2" by 3; at the second "8 1 2" the latest "1 2" predicts 3, the
     # longest match ("8 1 2") predicts 4, which follows
     ids = torch.tensor([[8, 1, 2, 4, 0, 9, 1, 2, 3, 0, 8, 1, 2, 4]])
-    assert data.copy_mask(ids)[0, 13].item() is False                     # latest "1 2" was followed by 3
-    assert data.copy_mask(ids, max_order=4)[0, 13].item() is True         # "8 1 2" was followed by 4
-    assert torch.equal(data.copy_mask(ids, max_order=2), data.copy_mask(ids))
+    assert tokens.copy_mask(ids)[0, 13].item() is False                     # latest "1 2" was followed by 3
+    assert tokens.copy_mask(ids, max_order=4)[0, 13].item() is True         # "8 1 2" was followed by 4
+    assert torch.equal(tokens.copy_mask(ids, max_order=2), tokens.copy_mask(ids))
     with pytest.raises(ValueError, match="max_order must be >= order=2"):
-        data.copy_mask(ids, max_order=1)
+        tokens.copy_mask(ids, max_order=1)
 
 
 def _tiny_target(path, seed=0, vocab=257, mask_token_id=256):

@@ -20,7 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from fold.demo import data
+from fold.demo import corpus, tokens
 
 from examples import train_real_drafter
 
@@ -35,12 +35,12 @@ def tiny_run(tmp_path_factory):
     stdlib.mkdir()
     for name in ("alpha", "beta"):
         (stdlib / f"{name}.py").write_text("".join(f"def {name}_{i}(x):\n    return x + {i}\n" for i in range(150)))
-    for pkg in data.HELD_OUT:
+    for pkg in corpus.HELD_OUT:
         (stdlib / pkg).mkdir()
         (stdlib / pkg / "__init__.py").write_text("".join(f"{pkg}_{i} = {i}\n" for i in range(50)))
-    code, _ = data.split_corpus(stdlib)
+    code, _ = corpus.split_corpus(stdlib)
     target_dir = root / "target"
-    data.save_tokenizer(data.train_tokenizer([code], VOCAB), target_dir)
+    tokens.save_tokenizer(tokens.train_tokenizer([code], VOCAB), target_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=64,

@@ -1,9 +1,11 @@
-"""Drafter-shaped FOLD reads and the providers they are timed against.
+"""Drafter-shaped FOLD reads and the providers they are timed against: the workloads every benchmark,
+the autotune sweep (``tuning``), the checks in ``tools/`` and ``examples/fold_vs_attention.py`` time.
 
-One setup (:func:`make_inputs`) serves every provider, so each reads the same cache:
+:data:`DRAFTERS` names the drafter shapes (:class:`DrafterShape`). One setup (:func:`make_inputs`)
+serves every provider, so each reads the same cache:
 
 - ``fold_triton``, ``fold_torch``: ``fold.attention`` on either backend;
-- ``reference``: the dense float64-capable spec (small lengths only);
+- ``reference``: the reference (``reference/``: dense, float64-capable; small lengths only);
 - ``sdpa_full``: one ``scaled_dot_product_attention`` read of the whole rotated cache (GQA), what the
   original drafter pays;
 - ``flash_full``: ``flash_attn_with_kvcache`` over the whole rotated cache (GPU, flash-attn);

@@ -1,0 +1,147 @@
+"""The demo's text: Python's own standard library sources, split **by package**, and their prose.
+
+:data:`HELD_OUT` packages are never trained on (neither the tokenizer nor the models); the demo
+concatenates them repository-style (``# file: <path>`` headers, :func:`read_files`) to any length.
+The held-in packages are the training code; :func:`prose_paragraphs` reads the prose of
+repository-style code (docstrings and comment blocks), :func:`reference_prose` the language
+reference topics and the license, and :func:`training_sources` gathers what the real drafter's
+training forms (:mod:`fold.demo.forms`) are cut from.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sysconfig
+from pathlib import Path
+from typing import NamedTuple
+
+HELD_OUT = ("asyncio", "email", "json", "xml")
+SKIP = {"site-packages", "test", "tests", "encodings", "pydoc_data", "__pycache__", "lib2to3", "turtledemo",
+        "ensurepip", "idle_test"}
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def package_files(root: Path | None = None) -> dict[str, list[Path]]:
+    """Top-level package or module name -> its ``.py`` files (sorted), skipping tests and data tables."""
+    root = root or stdlib_dir()
+    out: dict[str, list[Path]] = {}
+    for entry in sorted(root.iterdir()):
+        if entry.name in SKIP or entry.name.startswith(("config-", ".")):
+            continue
+        if entry.is_dir():
+            files = sorted(f for f in entry.rglob("*.py") if not SKIP.intersection(f.relative_to(root).parts))
+            if files:
+                out[entry.name] = files
+        elif entry.suffix == ".py":
+            out[entry.stem] = [entry]
+    return out
+
+
+def read_files(files: list[Path], root: Path | None = None) -> str:
+    """Repository-style concatenation: a ``# file: <path>`` header before each file."""
+    root = root or stdlib_dir()
+    parts = []
+    for f in files:
+        try:
+            parts.append(f"# file: {f.relative_to(root)}\n" + f.read_text(encoding="utf-8", errors="replace") + "\n")
+        except OSError:
+            continue
+    return "".join(parts)
+
+
+def _held_out(packages: dict[str, list[Path]], root: Path | None, held_out) -> dict[str, str]:
+    missing = [p for p in held_out if p not in packages]
+    if missing:
+        raise ValueError(f"held-out packages {missing} not found under {root or stdlib_dir()}")
+    return {name: read_files(packages[name], root) for name in held_out}
+
+
+def held_out_code(root: Path | None = None, held_out=HELD_OUT) -> dict[str, str]:
+    """{held-out package: its code}, without reading the training packages."""
+    return _held_out(package_files(root), root, held_out)
+
+
+def split_corpus(root: Path | None = None, held_out=HELD_OUT) -> tuple[str, dict[str, str]]:
+    """(training code, {held-out package: its code}); raises if a held-out package is missing."""
+    packages = package_files(root)
+    held = _held_out(packages, root, held_out)
+    return read_files([f for name, fs in packages.items() if name not in held_out for f in fs], root), held
+
+
+
+class TrainingSources(NamedTuple):
+    """What the training forms are cut from: ``code``, held-in standard-library code (repository-style
+    text, :func:`read_files`); ``prose``, paragraphs of held-in prose (:func:`prose_paragraphs` of that
+    code, the language reference topics of ``pydoc_data`` and the Python license)."""
+    code: str
+    prose: list[str]
+
+
+def _paragraphs(text: str, min_chars: int = 40) -> list[str]:
+    """Blank-line separated paragraphs of ``text``, each joined onto one line, that read as prose:
+    at least ``min_chars`` characters, mostly letters and spaces, no doctest or code markers."""
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        para = " ".join(line.strip() for line in block.strip().splitlines())
+        if len(para) < min_chars or para.startswith((">>>", "...", "$")) or "::" in para:
+            continue
+        if sum(c.isalpha() or c == " " for c in para) >= 0.85 * len(para):
+            out.append(para)
+    return out
+
+
+def prose_paragraphs(code: str) -> list[str]:
+    """Prose paragraphs of repository-style code (``# file:`` headers, :func:`read_files`): its
+    docstrings (module, class, function) and its comment blocks of two or more lines, file by file."""
+    out = []
+    for source in re.split(r"^# file: .*\n", code, flags=re.M):
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            tree = None
+        if tree is not None:
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc:
+                        out += _paragraphs(doc)
+        block: list[str] = []
+        for line in source.splitlines() + [""]:
+            stripped = line.strip()
+            if stripped.startswith("# ") and not stripped.startswith("# file:"):
+                block.append(stripped[2:])
+                continue
+            if len(block) >= 2:
+                out += _paragraphs("\n".join(block))
+            block = []
+    return out
+
+
+def reference_prose(root: Path | None = None) -> list[str]:
+    """Paragraphs of the language reference topics (``pydoc_data/topics.py``) and ``LICENSE.txt`` of
+    the standard library at ``root``; either may be absent."""
+    root = root or stdlib_dir()
+    out = []
+    topics = root / "pydoc_data" / "topics.py"
+    if topics.is_file():
+        tree = ast.parse(topics.read_text(encoding="utf-8", errors="replace"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                for text in ast.literal_eval(node.value).values():
+                    out += _paragraphs(text)
+    license_file = root / "LICENSE.txt"
+    if license_file.is_file():
+        out += _paragraphs(license_file.read_text(encoding="utf-8", errors="replace"))
+    return out
+
+
+def training_sources(root: Path | None = None, held_out=HELD_OUT) -> TrainingSources:
+    """The held-in code and prose of the standard library at ``root`` (the held-out packages are
+    never read into either)."""
+    code, _ = split_corpus(root, held_out)
+    return TrainingSources(code, prose_paragraphs(code) + reference_prose(root))
+
