@@ -29,12 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from fold.checks import check_bool, check_float
+from fold.read_options import RANKS, ReadOptions, straddled_pages
 from fold.rope import Rope, rotate_with, work_dtype
 
 __all__ = ["RANKS", "KeyCache", "empty_bounds", "page_bounds", "select_pages", "straddled_pages", "update_bounds"]
-
-# how the listed candidate pages are ranked (:func:`select_pages`)
-RANKS = ("bound", "keys")
 
 # entries of keys turned into float32 per step of page_bounds (memory O(chunk) at any length)
 BOUNDS_CHUNK = 1 << 16
@@ -82,8 +80,6 @@ def _keys_for_bounds(keys, positions, keys_rotated, rope, k_scale):
 
 
 def _check_common(name, keys, far_page, keys_rotated, rope, k_scale):
-    from fold.read_options import ReadOptions
-
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(keys).__name__}")
     ReadOptions.check("far_page", far_page)
@@ -265,13 +261,6 @@ def _group_bound(q_pos, q_neg, hi, lo, scale):
     s = (torch.einsum("bhmd,bhcd->bhmc", q_pos, hi) + torch.einsum("bhmd,bhcd->bhmc", q_neg, lo)).amax(2) * scale
     s = torch.where(torch.isnan(s), float("inf"), s)
     return torch.where((hi < lo).any(-1), float("-inf"), s)
-
-
-def straddled_pages(n_q: int, far_page: int) -> int:
-    """The most pages of ``far_page`` entries that the far/window edge of a block of ``n_q`` rows can straddle
-    (entries far for some row but not every row, or pages that also hold entries that are not far):
-    ``ceil((n_q - 1) / P) + 1``. A budgeted read always reads them, so a budget must hold that many pages."""
-    return -(-(n_q - 1) // far_page) + 1
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from fold.checks import check_choice, check_float, check_int
-from fold.far_pages import RANKS, straddled_pages
 
 BACKENDS = ("auto", "torch", "triton")
 FAR_POSITIONS = ("shared", "fixed_distance", "none")
 # alpha -> infinity is a hard max over the far logits; beyond 1e4 nothing changes at float32
 # precision, and alpha * logits would start to overflow.
 MAX_ALPHA = 1e4
+# how a budgeted read ranks the listed candidate far pages (:func:`fold.far_pages.select_pages`)
+RANKS = ("bound", "keys")
 
 _CHECKS = {
     "alpha": lambda x: check_float("alpha", x, 1, MAX_ALPHA),
@@ -39,7 +40,7 @@ class ReadOptions:
         backend: one of :data:`BACKENDS`. Default: ``"auto"``.
         far_budget: None (every far entry) or an int >= 1; ``far_position="shared"`` only. Default: None.
         far_page: entries per far page, >= 1. Default: 64.
-        far_rank: how far pages are ranked, one of :data:`fold.far_pages.RANKS`. Default: ``"bound"``.
+        far_rank: how far pages are ranked, one of :data:`RANKS`. Default: ``"bound"``.
     """
 
     alpha: float = 2.0
@@ -70,3 +71,10 @@ class ReadOptions:
             raise ValueError(f"far_budget must hold at least {need} pages of far_page={self.far_page} entries for a "
                              f"block of {n_q} rows (the pages its rows straddle are always read), i.e. far_budget >= "
                              f"{need * self.far_page}; got far_budget={self.far_budget}")
+
+
+def straddled_pages(n_q: int, far_page: int) -> int:
+    """The most pages of ``far_page`` entries that the far/window edge of a block of ``n_q`` rows can straddle
+    (entries far for some row but not every row, or pages that also hold entries that are not far):
+    ``ceil((n_q - 1) / P) + 1``. A budgeted read always reads them, so a budget must hold that many pages."""
+    return -(-(n_q - 1) // far_page) + 1

@@ -53,8 +53,7 @@ import torch
 
 from fold.argtypes import at_least, in_range
 from fold.demo import corpus, experiment, tokens
-from fold.far_pages import RANKS
-from fold.fold_attention import MAX_ALPHA
+from fold.read_options import MAX_ALPHA, RANKS
 
 PRESETS = {
     "quick": dict(lengths=[2048, 8192], prompts=3, new_tokens=24, repeats=2,

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fold.checks import check_int
-from fold.far_pages import RANKS, straddled_pages
-from fold.read_options import BACKENDS, MAX_ALPHA, ReadOptions
+from fold.read_options import BACKENDS, MAX_ALPHA, RANKS, ReadOptions, straddled_pages
 
 READS = ("fold", "window", "rerope", "stock")
 _FIELDS = {"fold": {"read", "window", "alpha", "backend", "far_budget", "far_page",
