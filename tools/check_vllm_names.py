@@ -1140,7 +1140,7 @@ def main(argv=None) -> int:
     report = run(tree, FoldSide(args.fold.resolve()))
     summary = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
     failing = sorted({line.split()[0] for line in report.lines if line.startswith(FAILING)})
-    header = [f"# vLLM {tree.version()} at {args.path}", f"# {summary}; {'FAIL' if report.failures else 'PASS'} "
+    header = [f"# vLLM {tree.version()} at {args.path.name}", f"# {summary}; {'FAIL' if report.failures else 'PASS'} "
               f"({report.failures} failing" + (f": {', '.join(failing)}" if failing else "") + ")"]
     text = "\n".join(header + report.lines) + "\n"
     sys.stdout.write(text)
@@ -1152,7 +1152,9 @@ def main(argv=None) -> int:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     h.update(chunk)
             digest = h.hexdigest()
-        meta = [f"# command: python {' '.join([Path(sys.argv[0]).as_posix()] + (argv or sys.argv[1:]))}",
+        # the command as run from the repository root, the wheel by its file name (where it lies is the runner's)
+        given = [args.path.name if a == str(args.path) else a for a in (argv or sys.argv[1:])]
+        meta = [f"# command: python -m tools.check_vllm_names {' '.join(given)}",
                 f"# date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M:%S UTC')}",
                 f"# source: {args.path.name}", f"# sha256: {digest}"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
