@@ -97,6 +97,13 @@ def install(model: torch.nn.Module, vllm_config) -> int:
     read = read_of(hf_config)
     if not read.active:
         return 0
+    # V2's speculators hand their model a config whose decode_context_parallel_size is the draft's
+    # (speculative_config.draft_decode_context_parallel_size); V1 reads the engine's
+    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1
+    if dcp > 1:
+        raise ValueError(f"fold: decode context parallelism ({dcp} ranks) splits each request's drafter cache "
+                         "across ranks, and fold's read needs its entries in order on one rank; set "
+                         "speculative_config draft_decode_context_parallel_size=1")
     layers = [(name, module) for name, module in model.named_modules()
               if isinstance(getattr(module, "attn", None), compat.Attention) and hasattr(module, "rotary_emb")]
     # a NoPE layer (0.34's Ricursive DFlash 2 wraps the rotary in an identity, _NoRope, that keeps the real
@@ -105,11 +112,6 @@ def install(model: torch.nn.Module, vllm_config) -> int:
     layers = [(name, module) for name, module in layers if not is_nope(module.rotary_emb)]
     if not layers:
         raise ValueError(f"fold: found no attention layer with a rotary embedding in {type(model).__name__}")
-    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1
-    if dcp > 1:
-        raise ValueError(f"fold: decode context parallelism ({dcp} ranks) splits each request's drafter cache "
-                         "across ranks, and fold's read needs its entries in order on one rank; set "
-                         "speculative_config draft_decode_context_parallel_size=1")
     for name, module in layers:
         attn, impl = module.attn, module.attn.impl
         if module.rotary_emb is None:

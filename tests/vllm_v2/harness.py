@@ -192,15 +192,16 @@ def fold_pair(v2_process, folder: Path) -> dict:
 # --- the speculator, set up as GPUModelRunner does ----------------------------------------------------------
 
 def engine_config(target: Path, drafter: Path, *, k=K, max_model_len=256, num_blocks=64, max_num_seqs=4,
-                  dtype="float32", method="dflash", tp=1, **speculative):
+                  dtype="float32", method="dflash", tp=1, engine=None, **speculative):
     """The engine's config for the pair (``method``: vLLM's speculative method, ``tp``: the tensor-parallel
-    size, ``speculative``: more ``speculative_config`` fields, e.g. ``kv_cache_dtype``)."""
+    size, ``engine``: more ``EngineArgs`` fields, ``speculative``: more ``speculative_config`` fields, e.g.
+    ``kv_cache_dtype``)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                       skip_tokenizer_init=True, seed=0, block_size=BLOCK, num_gpu_blocks_override=num_blocks,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=512, tensor_parallel_size=tp,
-                      compilation_config={"custom_ops": ["none"]},
+                      compilation_config={"custom_ops": ["none"]}, **(engine or {}),
                       speculative_config={"method": method, "model": str(drafter), "num_speculative_tokens": k,
                                           **speculative})
     return args.create_engine_config()

@@ -78,3 +78,28 @@ def test_without_folds_check_vllm_makes_the_config_and_a_good_block_passes(pair,
     good = drafter_with(pair, "good", {"read": "fold", "window": 8, "alpha": 2.0, "far_budget": 32, "far_page": BLOCK})
     config = engine_config(pair["target"], good)
     assert config.speculative_config.draft_model_config.hf_config.fold["far_budget"] == 32
+
+
+def test_draft_decode_context_parallelism_is_refused_by_name(v2_process, tmp_path):
+    """V2's DFlash speculator builds its model under a copy of the config whose decode_context_parallel_size
+    is ``draft_decode_context_parallel_size``; fold's install refuses that (fold's full-cache sliding layers
+    would otherwise also pass V2's own refusal of sliding draft layers under DCP). TP 4 > the tiny target's
+    2 KV heads, as vLLM asks of DCP; no world is needed to build the speculator's config."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    from fold.vllm.models import install
+    from tests.vllm_v2.harness import fold_pair
+
+    pair = fold_pair(v2_process, tmp_path)
+    config = engine_config(pair["target"], pair["fold"], tp=4, engine=dict(decode_context_parallel_size=2),
+                           draft_decode_context_parallel_size=2)
+    with set_current_vllm_config(config):
+        spec = init_speculator(config, torch.device("cpu"), None)
+    assert spec.vllm_config.parallel_config.decode_context_parallel_size == 2
+    with pytest.raises(ValueError, match="draft_decode_context_parallel_size=1"):
+        install(torch.nn.Module(), spec.vllm_config)
+    assert install(torch.nn.Module(), engine_config(pair["target"], pair["drafter"], tp=4,
+                                                    engine=dict(decode_context_parallel_size=2),
+                                                    draft_decode_context_parallel_size=2)) == 0   # no fold block

@@ -117,6 +117,25 @@ def test_fold_serves_every_draft_layer_and_runs(name, request):
     assert result["stock_calls"] == []
 
 
+def test_the_draft_step_is_captured_in_full_decode_graphs(pair, monkeypatch):
+    """What V2's DFlash speculator decides from fold's builder: its draft groups' weakest CUDA-graph support is
+    fold's UNIFORM_BATCH, so a FULL cudagraph mode captures the draft step as FULL_DECODE_ONLY (not eager).
+    Nothing is captured here (no GPU): the CPU platform's graph pool is a stand-in."""
+    from vllm.config import set_current_vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import interface
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    speculator = Speculator(pair["target"], pair["fold"])
+    support = speculator.spec.attn_cg_support
+    assert support.min_cg_support == AttentionCGSupport.UNIFORM_BATCH
+    assert support.min_cg_attn_backend == FoldAttentionBackend.__name__
+    monkeypatch.setattr(interface.UnspecifiedPlatform, "get_global_graph_pool", classmethod(lambda cls: object()))
+    with set_current_vllm_config(speculator.config):
+        speculator.spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert speculator.spec.query_cudagraph_manager.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+
+
 def test_the_stock_run_keeps_vllms_read(stock_run):
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
