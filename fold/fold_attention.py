@@ -20,7 +20,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_table=None, keys_rotated=False,
               queries_rotated=False, softmax_scale=None, return_lse=False, backend="auto", check_ranges=None,
               far_position="shared", sliding_window=None, causal=False, k_scale=None, v_scale=None, far_budget=None,
-              far_page=64, far_bounds=None, far_rank="bound"):
+              far_page=64, far_bounds=None, far_rank="bound", softcap=None):
     r"""FOLD attention (paper Eqs. 1-4) for a draft block of ``n_q`` rows over a KV cache.
 
     Sequence ``b`` holds ``L = cache_seqlens[b]`` entries: ``n = L - n_q`` committed context
@@ -101,6 +101,12 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
             ``"keys"``: by their keys, each row's and head's largest far logit per page as a share over the
             ranked pages (a softmax), averaged over rows and heads (:func:`fold.far_pages.select_pages`); it
             reads the keys of at most ``max(2 K, 16) * 16`` pages a round, whatever the length.
+        softcap: ``None`` (default) or ``c > 0``: logit soft-capping as Gemma-style drafters train with it,
+            each logit ``x = q.k * scale`` of either branch becomes ``c * tanh(x / c)``. In the far branch the
+            cap comes first and ``alpha`` multiplies the capped logit (``Z_F = (sum exp(alpha * c tanh(f / c)))
+            ** (1/alpha)``): the cap is part of the drafter's own logit, at whatever position FOLD reads the
+            key, and alpha sharpens the distribution the drafter's logits give. A budget's page choice ranks
+            by the uncapped logits (the cap is monotone: the box bound ranks the same).
         check_ranges: check the values of ``cache_seqlens`` (and the pages ``block_table`` uses)
             against the cache. Reading them costs a host sync on CUDA, so ``None`` (default) checks on
             the CPU and skips on CUDA; ``True`` always checks, ``False`` never. Skipped while
@@ -136,7 +142,8 @@ def attention(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, block_tab
         check_bool(name, flag)
     op.update(flags, alpha=options.alpha, far_per_row=options.far_position == "shared",
               read_far=options.far_position != "none", k_scale=validate_cache_scale("k_scale", k_scale),
-              v_scale=validate_cache_scale("v_scale", v_scale))
+              v_scale=validate_cache_scale("v_scale", v_scale),
+              softcap=check_float("softcap", softcap, 0, open_low=True, none_ok=True) or 0.0)
     op["far_pages"] = _far_pages(op, rope, options, far_bounds)
     op["far_page"] = options.far_page if op["far_pages"] is not None else 0
     from fold.ops import attention_op

@@ -42,14 +42,15 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: to
                  softmax_scale: float, rotary_dim: int, interleaved: bool, attention_factor: float,
                  keys_rotated: bool, far_per_row: bool, queries_rotated: bool, backend: str, read_far: bool,
                  sliding_window: int, causal: bool, k_scale: float, v_scale: float,
-                 far_pages: torch.Tensor | None = None, far_page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 far_pages: torch.Tensor | None = None, far_page: int = 0,
+                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated inputs (see ``fold.attention``; ``sliding_window = -1`` for none; ``far_pages [B, Hkv, K]``
-    int32 the far pages to read, from :func:`fold.far_pages.select_pages`, of ``far_page`` entries) ->
-    ``(out, lse)``, lse natural log."""
+    int32 the far pages to read, from :func:`fold.far_pages.select_pages`, of ``far_page`` entries;
+    ``softcap = 0`` for none) -> ``(out, lse)``, lse natural log."""
     read = dict(window=window, alpha=alpha, softmax_scale=softmax_scale, keys_rotated=keys_rotated, return_lse=True,
                 block_table=block_table, far_per_row=far_per_row, queries_rotated=queries_rotated, read_far=read_far,
                 sliding_window=None if sliding_window < 0 else sliding_window, causal=causal, k_scale=k_scale,
-                v_scale=v_scale, far_pages=far_pages, far_page=far_page)
+                v_scale=v_scale, far_pages=far_pages, far_page=far_page, softcap=softcap)
     if backend == "torch":
         from fold.torch_path import fold_attention_torch
 

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from fold.masked import masked_attention
+from fold.masked import masked_attention, soft_cap
 from fold.merge import merge_pair
 from fold.rope import rotate, rotate_with, work_dtype
 
@@ -136,19 +136,21 @@ def parallel_in_serial():
         torch.set_num_threads(1)
 
 
-def _fused_read(q, k, v, scale):
-    """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim, ``N >= 1``), one dtype -> ``(o, lse)``."""
-    if q.device.type == "cpu":
+def _fused_read(q, k, v, scale, softcap=0.0, alpha=1.0):
+    """``q [H, M, d]``, ``k, v [H, N, d]`` (unit stride on the last dim, ``N >= 1``), one dtype -> ``(o, lse)``
+    of the logits ``alpha * cap(q.k * scale)`` (``softcap``: :func:`fold.masked.soft_cap`)."""
+    if q.device.type == "cpu" and not softcap:
         # the CPU's fused flash kernel returns the LSE; it is wrong for a last dim with stride != 1
         with parallel_in_serial():      # the bulk of a serial read's work: on the caller's threads
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None],
-                                                                                scale=scale)
+                                                                                scale=scale * alpha)
         return o[0], lse[0]
     work = work_dtype(q.dtype)
     state = _empty_state(q.to(work))
     for c0 in range(0, k.shape[1], MATH_CHUNK):
         kc, vc = k[:, c0:c0 + MATH_CHUNK].to(work), v[:, c0:c0 + MATH_CHUNK].to(work)
-        s = torch.einsum("hmd,hnd->hmn", q.to(work), kc) * scale
+        s = torch.einsum("hmd,hnd->hmn", q.to(work), kc)
+        s = soft_cap(s * scale, softcap) * alpha if softcap else s * (scale * alpha)
         state = merge_pair(*state, torch.softmax(s, dim=-1) @ vc, torch.logsumexp(s, dim=-1))
     return state
 
@@ -165,17 +167,18 @@ def _merge_all(states):
     return o, m + torch.log(total)
 
 
-def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=None, inverse: bool = False):
+def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=None, inverse: bool = False,
+          softcap: float = 0.0, alpha: float = 1.0):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over entries ``[lo, hi)``, every row seeing every
-    entry; with ``rope`` entry j's key is first rotated by ``j`` (by ``-j`` with ``inverse``), a pure
-    rotation. Keys and values are read in ``read_dtype`` (q's: an FP8 cache is converted a chunk at a
-    time). Returns ``(o, lse)`` in q's dtype."""
+    entry, logits ``alpha * cap(q.k * scale)``; with ``rope`` entry j's key is first rotated by ``j`` (by
+    ``-j`` with ``inverse``), a pure rotation. Keys and values are read in ``read_dtype`` (a cache in
+    another dtype, FP8 or half, is converted a chunk at a time). Returns ``(o, lse)`` in q's dtype."""
     if hi <= lo:
         return _empty_state(q)
     q_in = q.to(read_dtype)
     if rope is None and cache.as_stored(read_dtype):
         k, v = cache.rows(lo, hi)
-        o, lse = _fused_read(q_in, k.transpose(0, 1), v.transpose(0, 1), scale)
+        o, lse = _fused_read(q_in, k.transpose(0, 1), v.transpose(0, 1), scale, softcap, alpha)
         return o.to(q.dtype), lse.to(q.dtype)
     heads_kv, head_dim = cache.k.shape[-2], cache.k.shape[-1]
     chunk = max(64, CHUNK_BYTES // (heads_kv * head_dim * 4))
@@ -193,14 +196,15 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
                             out=buf[:c1 - c0] if k.dtype == q.dtype else None)
         k, v = k.to(read_dtype).transpose(0, 1), v.transpose(0, 1)                # [Hkv, C, d]
         o, lse = _fused_read(q_in, k if k.stride(-1) == 1 else k.contiguous(),
-                             v if v.stride(-1) == 1 else v.contiguous(), scale)
+                             v if v.stride(-1) == 1 else v.contiguous(), scale, softcap, alpha)
         states.append((o.to(q.dtype), lse.to(q.dtype)))
         if len(states) == MERGE_STATES:
             states = [_merge_all(states)]
     return _merge_all(states)
 
 
-def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, read_dtype, rope=None):
+def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, read_dtype, rope=None,
+               softcap: float = 0.0, alpha: float = 1.0):
     """Attention of ``q [Hkv, M, d]`` (work dtype) over the entries of ``pages [Hkv, K]`` (page t = entries
     ``[t P, (t + 1) P)``, every entry valid, below ``end`` and seen by every row; each KV head its own), read
     :data:`CHUNK_BYTES` of keys at a time; with ``rope`` each key is first un-rotated by its position.
@@ -216,7 +220,8 @@ def _read_pages(q, cache: _Cache, pages, far_page: int, end: int, scale: float, 
         if rope is not None:                    # R_{-j} of each key: the kept tables of j, gathered
             cos, sin = rope.cos_sin(0, end, dtype=q.dtype, device=q.device)
             k = rotate_with(k.to(q.dtype), cos[j], sin[j], rope, inverse=True)
-        o, lse = _fused_read(q_in, k.to(read_dtype).contiguous(), v.to(read_dtype).contiguous(), scale)
+        o, lse = _fused_read(q_in, k.to(read_dtype).contiguous(), v.to(read_dtype).contiguous(), scale, softcap,
+                             alpha)
         states.append((o.to(q.dtype), lse.to(q.dtype)))
         if len(states) == MERGE_STATES:
             states = [_merge_all(states)]
@@ -229,6 +234,28 @@ def _rotate_rows(qm, start, rope, factor, per_row=True):
     n_q = qm.shape[1]
     cos, sin = rope.cos_sin(start, n_q if per_row else 1, dtype=qm.dtype, device=qm.device)   # [n_q or 1, half]
     return rotate_with(qm, (cos * factor)[:, None], (sin * factor)[:, None], rope).flatten(1, 2)
+
+
+def _scale_rotary(qm, rope, factor):
+    """``qm [..., d]`` with its rotary dims times ``factor`` (the rotation by 0): no table, no copy at 1."""
+    if factor == 1.0:
+        return qm
+    out = qm.clone()
+    dims = slice(0, rope.rotary_dim)
+    out[..., dims] *= factor
+    return out
+
+
+def _far_queries(qm, rope, factor, far_start, n, queries_rotated, far_per_row):
+    """The far branch's queries ``[Hkv, n_q * group, d]`` from ``qm [Hkv, n_q, group, d]``: at ``far_start + r``
+    (``far_start`` for every row without ``far_per_row``: ReRoPE's rule); queries that arrive rotated at
+    ``n + r`` are turned by the difference."""
+    if not queries_rotated:
+        return _rotate_rows(qm, far_start, rope, factor, per_row=far_per_row)
+    if far_per_row:                                          # turn by D + r - (n + r): one angle for every row
+        return _rotate_rows(qm, far_start - n, rope, factor, per_row=False)
+    turn = far_start - n - torch.arange(qm.shape[1], device=qm.device)
+    return rotate(qm.transpose(1, 2), turn, rope, factor=factor).transpose(1, 2).flatten(1, 2)
 
 
 def _pack(x, heads_kv):
@@ -247,7 +274,8 @@ def _unpack(x, n):
 @_serial_on_cpu
 def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax_scale, keys_rotated, return_lse,
                          block_table=None, far_per_row=True, queries_rotated=False, read_far=True,
-                         sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0):
+                         sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0,
+                         softcap=0.0):
     """Same contract as the Triton launcher: validated inputs in, ``(out, lse or None)`` out.
 
     ``k, v`` are ``[batch, max_len, Hkv, d]``, or pages ``[num_blocks, page_size, Hkv, d]`` with
@@ -259,7 +287,11 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
     as it is and the far branch turns it on by the difference of the two positions. ``far_pages
     [B, Hkv, K]`` (int32, ascending, -1 padded; :func:`fold.far_pages.select_pages`): a budgeted far read
     of those pages of ``far_page`` entries; a sequence whose far memory has at most K pages reads it all,
-    by the full read's code (so exactly FOLD).
+    by the full read's code (so exactly FOLD). ``softcap > 0``: each logit ``x = q.k * scale`` is
+    ``softcap * tanh(x / softcap)`` before the far branch's alpha (no fused CPU read: explicit chunks).
+
+    Every segment's state is kept in the work dtype (float32 for half inputs: a half cache is read a
+    chunk at a time in float32) until the one final rounding to q's dtype.
 
     Per sequence (``span = Ws`` or ``D``, ``win_lo = n - span + 1``, ``far_hi = win_lo + n_q - 1``)::
 
@@ -297,16 +329,9 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         win_lo = n - span + 1
         a, c = max(0, win_lo), max(0, win_lo + n_q - 1)
         qm = _pack(q[b], heads_kv).to(work).view(heads_kv, n_q, -1, head_dim)        # [Hkv, n_q, group, d]
-        far_start = window + n_q
-        if queries_rotated:          # q at n + r: turn by D + r - (n + r) (shared) or D - (n + r) (fixed)
-            if far_per_row:
-                q_far = _rotate_rows(qm, far_start - n, rope, q_factor, per_row=False)
-            else:
-                turn = far_start - n - torch.arange(n_q, device=q.device)
-                q_far = rotate(qm.transpose(1, 2), turn, rope, factor=q_factor).transpose(1, 2).flatten(1, 2)
-            q_win = _rotate_rows(qm, 0, rope, q_factor, per_row=False)               # already at n + r
+        if queries_rotated:          # already at n + r: only the factors (a pure scaling, no table)
+            q_win = _scale_rotary(qm, rope, q_factor).flatten(1, 2)
         else:
-            q_far = _rotate_rows(qm, far_start, rope, q_factor, per_row=far_per_row)
             q_win = _rotate_rows(qm, n, rope, q_factor)                              # rows at n + r
 
         # the explicit entries: the mixed ones [a, c) and the block's own [n, L)
@@ -316,23 +341,26 @@ def fold_attention_torch(q, k, v, rope, cache_seqlens, *, window, alpha, softmax
         behind = (n + row_r)[:, None] - j[None, :]                                   # p - j, [M, E]
         local = (behind < span) & (behind >= 0) if causal else behind < span
         k_local = ke if keys_rotated else rotate(ke, j, rope, factor=1.0)
-        win = merge_pair(*_read(q_win, cache, c, n, scale, q.dtype, *(() if keys_rotated else (rope, False))),
-                         *masked_attention(q_win, k_local, ve, local, scale))
+        win = merge_pair(*_read(q_win, cache, c, n, scale, work, *(() if keys_rotated else (rope, False)),
+                                softcap=softcap),
+                         *masked_attention(q_win, k_local, ve, local, scale, softcap=softcap))
         if read_far and c > 0:
+            q_far = _far_queries(qm, rope, q_factor, window + n_q, n, queries_rotated, far_per_row)
             far_rope = (rope, True) if keys_rotated else ()
+            logits = dict(softcap=softcap, alpha=alpha)
             if far_pages is not None and -(-c // far_page) > far_pages.shape[-1]:          # the budget binds
                 s0 = a // far_page
                 chosen = min(far_pages.shape[-1] - (-(-c // far_page) - s0), s0)           # candidates read
-                far = _read(q_far, cache, s0 * far_page, a, alpha * scale, q.dtype, *far_rope)
+                far = _read(q_far, cache, s0 * far_page, a, scale, work, *far_rope, **logits)
                 if chosen:
                     picked = _read_pages(q_far, cache, far_pages[b, :, :chosen], far_page, s0 * far_page,
-                                         alpha * scale, q.dtype, rope if keys_rotated else None)
+                                         scale, work, rope if keys_rotated else None, **logits)
                     far = merge_pair(*far, *picked)
             else:
-                far = _read(q_far, cache, 0, a, alpha * scale, q.dtype, *far_rope)
+                far = _read(q_far, cache, 0, a, scale, work, *far_rope, **logits)
             if c > a:                                                                # the mixed entries' far part
                 k_far = rotate(ke, -j, rope, factor=1.0) if keys_rotated else ke
-                far = merge_pair(*far, *masked_attention(q_far, k_far, ve, behind >= span, alpha * scale))
+                far = merge_pair(*far, *masked_attention(q_far, k_far, ve, behind >= span, scale, **logits))
             o, lse = merge_pair(*win, far[0], far[1] / alpha)                          # [Hkv, M, d], [Hkv, M]
         else:
             o, lse = win

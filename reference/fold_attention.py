@@ -6,6 +6,7 @@ Entry ``j`` is in the window of row ``r`` iff ``p - j < D``, else in the far mem
 
     window logit  s_rj = (R_p q_r) . (R_j k_j) * scale
     far logit     f_rj = (R_{D+r} q_r) . (R_0 k_j) * scale      (every far entry at one position)
+    (with ``softcap = c`` both become ``c * tanh(x / c)``, before alpha)
     Z_N = sum_window exp(s),   Z_F = (sum_far exp(alpha * f)) ** (1 / alpha)
     out = (Z_N o_N + Z_F o_F) / (Z_N + Z_F),   lse = log(Z_N + Z_F)
 
@@ -43,7 +44,7 @@ from reference.rope import apply_rope
 def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, keys_rotated=False,
                        queries_rotated=False, softmax_scale=None, far_position="shared", sliding_window=None,
                        causal=False, k_scale=1.0, v_scale=1.0, upcast=True, far_budget=None, far_page=64,
-                       far_bounds=None, far_rank="bound"):
+                       far_bounds=None, far_rank="bound", softcap=None):
     """Reference FOLD attention.
 
     q:    [batch, n_q, heads_q, head_dim], pre-RoPE queries of the draft block (``R_{n+r} q`` with
@@ -65,6 +66,8 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         elementwise max / min of each page's unrotated, dequantized keys (see ``fold.far_pages``)
     far_rank: ``"bound"`` ranks the listed pages by their boxes, ``"keys"`` by their keys (each row's and
         head's largest far logit per page, as a softmax share over the listed candidates, averaged)
+    softcap: None, or ``c``: every logit (window and far) ``x`` becomes ``c * tanh(x / c)``; the far
+        branch's alpha multiplies the capped logit. The page choice of a budget ranks uncapped logits.
 
     Returns ``(out [batch, n_q, heads_q, head_dim], lse [batch, n_q, heads_q])``, both in float64
     with ``upcast`` and in ``q.dtype`` otherwise; ``lse`` is in natural log.
@@ -97,6 +100,9 @@ def fold_attention_ref(q, k, v, *, window, rope, alpha=2.0, cache_seqlens=None, 
         q_far = apply_rope(qb, (d_pos + r if far_position == "shared" else d_pos + 0 * r)[:, None], inv_freq, **rot)
         s_window = torch.einsum("rhd,jhd->hrj", q_window, k_window) * scale     # [Hq, n_q, L]
         s_far = torch.einsum("rhd,jhd->hrj", q_far, k_far) * scale
+        if softcap is not None:
+            s_window = softcap * torch.tanh(s_window / softcap)
+            s_far = softcap * torch.tanh(s_far / softcap)
         behind = (n + r)[:, None] - j[None, :]                                  # p - j, [n_q, L]
         in_window = behind < span
         is_far = ~in_window if far_position != "none" else torch.zeros_like(in_window)

@@ -39,6 +39,7 @@ class Case:
     far_position: str = "shared"
     sliding_window: int | None = None
     causal: bool = False
+    softcap: float | None = None
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -82,7 +83,7 @@ def make_inputs(case: Case, pad=float("nan")):
 def kwargs_of(case: Case, seqlens):
     return dict(window=case.window, rope=rope_of(case), alpha=case.alpha, cache_seqlens=seqlens,
                 keys_rotated=case.keys_rotated, queries_rotated=case.queries_rotated, far_position=case.far_position,
-                sliding_window=case.sliding_window, causal=case.causal)
+                sliding_window=case.sliding_window, causal=case.causal, softcap=case.softcap)
 
 
 def reference_pair(case: Case, q, k, v, seqlens):
@@ -178,6 +179,7 @@ def cases(draw, dtypes, max_len_cap=2500):
         queries_rotated=draw(st.booleans()),
         far_position=draw(st.sampled_from(["shared", "shared", "fixed_distance", "none"])),
         sliding_window=sliding, causal=draw(st.booleans() if sliding is not None else st.sampled_from([False] * 3 + [True])),
+        softcap=draw(st.one_of(st.none(), st.none(), st.none(), st.floats(0.5, 30.0))),
         dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 2**16)),
     )
 

@@ -135,6 +135,8 @@ SERVING = {
     "serve-fp8": dict(k_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5),
     # a budgeted far read (fold.far_pages): the far launch over a page list, 1024 entries in vLLM's pages
     "serve-budget": dict(far_budget=1024),
+    # a soft-capped drafter layer (Gemma-style attention logit capping)
+    "serve-softcap": dict(softcap=50.0),
 }
 # the budgeted far read of a contiguous cache: far_budget entries in pages of FAR_PAGE (the API's default)
 FAR_BUDGET, FAR_PAGE = 1024, 64

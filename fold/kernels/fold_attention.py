@@ -2,9 +2,10 @@
 
 Four launches, each of one kernel:
 
-- **prologue** (one program per KV head and row tile): each branch's query, rotated at its position
-  and scaled by ``softmax_scale * log2(e)`` (and ``alpha`` for the far branch), written once in the
-  cache's dtype; and the cos/sin of ``i * inv_freq`` for the offsets ``i`` of a key tile.
+- **prologue** (one program per KV head and row tile): each branch's query, rotated at its position,
+  written once in the cache's dtype (unscaled: ``softmax_scale * log2(e)``, and ``alpha`` for the far
+  branch, multiply the float32 logits after the dot, so no rounded product of them reaches the LSE);
+  and the cos/sin of ``i * inv_freq`` for the offsets ``i`` of a key tile.
 - **stage 1, window** and **stage 1, far memory**: the same kernel specialised per branch (so each
   has its own register budget), over ``(batch * heads_kv * m_tiles, splits)`` programs. A program
   owns ``BLOCK_M`` rows (draft row x GQA head, so each KV tile is loaded once per KV head) and a
@@ -34,7 +35,11 @@ array, and both key layouts see exact angles at any context length.
 
 :func:`plain_attention_fwd` is the plain read (every row over every valid entry, queries and keys
 as given: ``fold.tree_attention``'s cached read): one stage-1 launch (``PLAIN``: no prologue, q read
-in place and scaled in the program, the far memory's loop over ``[0, L)``) and stage 2.
+in place, the far memory's loop over ``[0, L)``) and stage 2.
+
+``softcap`` (Gemma-style logit soft-capping, ``SOFTCAP``): each logit ``x = q.k * scale`` becomes
+``softcap * tanh(x / softcap)`` before the far branch's ``alpha`` (:func:`_soft_cap`, exact in float32
+to a few ulp without libdevice).
 
 Partial LSEs are base 2 (logits carry ``log2(e)``); stage 2 converts to natural log once, at the
 output. An empty state is ``(0, -inf)``; guards test exact zeros, so a NaN in a valid input reaches
@@ -180,13 +185,13 @@ def program_rows(pid, heads_kv, rows, GROUP: tl.constexpr, M_TILES: tl.constexpr
 
 
 @triton.jit
-def _rotate_store(p_out, qa, qb, pos, freq, scale, col_a, col_b, m_a, m_b, m_row, m_store,
+def _rotate_store(p_out, qa, qb, pos, freq, col_a, col_b, m_a, m_b, m_row, m_store,
                   PAIR_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # qa, qb: [BM, HALF_P] the pair halves; writes R_pos q * scale as one [BM, BLOCK_D] row block
+    # qa, qb: [BM, HALF_P] the pair halves; writes R_pos q as one [BM, BLOCK_D] row block
     HALF_P: tl.constexpr = BLOCK_D // 2
     c, s = _cos_sin(pos, freq)
-    ra = (qa * c - qb * s) * scale
-    rb = (qb * c + qa * s) * scale
+    ra = qa * c - qb * s
+    rb = qb * c + qa * s
     dtype = p_out.dtype.element_ty
     o_c = tl.arange(0, HALF_P)
     if PAIR_ORDER:
@@ -206,7 +211,7 @@ def fold_fwd_kernel_prologue(
     Q, InvFreq, SeqLens, QW, QF, Trig,
     stride_qb, stride_qn, stride_qh,
     stride_wb, stride_wh, stride_wm,
-    heads_kv, n_q, max_len, window, q_rot_scale, scale_window, scale_far,
+    heads_kv, n_q, max_len, window, q_rot_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, KEYS_ROTATED: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, ROT_BLOCK_N: tl.constexpr,
@@ -252,12 +257,25 @@ def fold_fwd_kernel_prologue(
         far_pos = far_pos - true_pos
     else:
         win_pos = true_pos
-    _rotate_store(p_w, qa, qb, win_pos[:, None], freq[None, :], scale_window, col_a, col_b, m_a, m_b,
+    _rotate_store(p_w, qa, qb, win_pos[:, None], freq[None, :], col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=(not KEYS_ROTATED) & (not EVEN_PAIRS), BLOCK_M=BLOCK_M,
                   BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
-    _rotate_store(p_f, qa, qb, far_pos[:, None], freq[None, :], scale_far, col_a, col_b, m_a, m_b,
+    _rotate_store(p_f, qa, qb, far_pos[:, None], freq[None, :], col_a, col_b, m_a, m_b,
                   m_row, m_store, PAIR_ORDER=KEYS_ROTATED & (not EVEN_PAIRS), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
                   HEAD_DIM=HEAD_DIM)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    # cap * tanh(s / cap) in float32: a series near 0 (no cancellation), exp2 of -2|x| beyond (saturates,
+    # never overflows); a NaN stays NaN
+    x = s / cap
+    a = tl.abs(x)
+    x2 = x * x
+    small = a * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    e = tl.exp2(-2.8853900817779268 * a)                 # exp(-2 |x|)
+    t = tl.where(a < 0.125, small, (1.0 - e) / (1.0 + e))
+    return cap * tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -307,12 +325,14 @@ def _row_offsets(o_n, m_n, p_table, stride_kb, stride_kn, stride_vb, stride_vn, 
 
 @triton.jit
 def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb, stride_vn, lo, hi, o_ws, span,
-            InvFreq, Trig, MASKED: tl.constexpr, IS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr,
+            InvFreq, Trig, qk_scale, softcap, post_scale, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+            IS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr,
             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
-    # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] scaled, in the key
-    # tile's column order; o_ws [BM]: the row's first window entry (its own at o_ws + span - 1).
+    # one branch over entries [lo, hi), lo aligned to BLOCK_N; q: [BM, BLOCK_D] rotated, unscaled, in the
+    # key tile's column order; logits = dot * qk_scale, or with SOFTCAP softcap * tanh(dot * qk_scale /
+    # softcap) * post_scale (base 2 either way); o_ws [BM]: the row's first window entry (its own at o_ws + span - 1).
     # Unmasked (MASKED=False) only where every entry of every tile is valid and in this branch for
     # every row.
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -362,8 +382,10 @@ def _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_
         else:   # in the query tile's dtype: an FP8 cache is dequantized on load (its scale is in q's)
             k = _load_rows(p_k0 + r_k[:, None] + o_d[None, :], m_n, m_d, MASKED, not EVEN_D, UPCAST).to(q.dtype)
         v = _load_rows(p_v, m_n, m_d, MASKED, not EVEN_D, UPCAST).to(q.dtype)
-        # [BM, BLOCK_D] @ [BLOCK_D, BN] -> [BM, BN], base-2 logits
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        # [BM, BLOCK_D] @ [BLOCK_D, BN] -> [BM, BN], scaled in float32 after the dot: base-2 logits
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap) * post_scale
         if MASKED:
             if IS_WINDOW:
                 m_s = m_n[None, :] & (o_n[None, :] >= o_ws[:, None])
@@ -394,19 +416,19 @@ def fold_fwd_kernel_stage1(
     stride_tb, stride_fb, stride_fh,
     stride_ob, stride_oh, stride_or, stride_os,
     stride_lb, stride_lh, stride_lr,
-    heads_kv, n_q, max_len, span, num_splits, state_offset, num_slots, q_scale,
+    heads_kv, n_q, max_len, span, num_splits, state_offset, num_slots, qk_scale, softcap, post_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROT_HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_WINDOW: tl.constexpr,
     CAUSAL: tl.constexpr, ROTATE: tl.constexpr, PLAIN: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     FAR_PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # one branch (IS_WINDOW or the far memory) over its entries of one sequence, split in num_splits
     # shares of BLOCK_N tiles; writes state state_offset + i_split of each row. Row r's local branch is
     # p - j < span (W + n_q, or a sliding layer's window), CAUSAL hides j > p. Q is the prologue's
     # [B, Hkv, rows, BLOCK_D] (stride_qm per row m); with PLAIN, a plain read: every row reads every
-    # entry [0, L), Q is the caller's [B, n_q, Hq, d] (stride_qm per draft row), scaled by q_scale
-    # here. With PAGE_SIZE > 0, K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable
+    # entry [0, L), Q is the caller's [B, n_q, Hq, d] (stride_qm per draft row). The logits are the
+    # dots times qk_scale (and soft-capped with SOFTCAP, see _attend). With PAGE_SIZE > 0, K and V are pages [num_blocks, PAGE_SIZE, Hkv, d] and BlockTable
     # [B, max_blocks] maps a sequence's entry j to page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
     # With FAR_PAGE > 0 (far launch only), a budgeted far read: FarPages [B, Hkv, num_slots] lists the
     # pages (entries [t FAR_PAGE, (t + 1) FAR_PAGE), -1 for none) of this KV head; the splits share the
@@ -450,7 +472,7 @@ def fold_fwd_kernel_stage1(
         if PLAIN:
             q = tl.load(Q + i_b * stride_qb + o_r[:, None] * stride_qm + i_hq[:, None] * stride_qh + o_d[None, :],
                         mask=m_row[:, None] & m_d[None, :], other=0.0)
-            q = (q.to(tl.float32) * q_scale).to(tl.float32 if UPCAST else K.dtype.element_ty)
+            q = q.to(tl.float32 if UPCAST else K.dtype.element_ty)
         else:
             q = tl.load(Q + i_b * stride_qb + i_kvh * stride_qh + o_m[:, None] * stride_qm + o_d[None, :],
                         mask=m_row[:, None], other=0.0)
@@ -471,7 +493,8 @@ def fold_fwd_kernel_stage1(
                 page_lo = page * FAR_PAGE
                 page_hi = tl.where(page >= 0, tl.minimum(page_lo + FAR_PAGE, hi), page_lo)
                 m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
-                                        stride_vn, page_lo, page_hi, o_ws, span, InvFreq, Trig, True, IS_WINDOW,
+                                        stride_vn, page_lo, page_hi, o_ws, span, InvFreq, Trig, qk_scale, softcap,
+                                        post_scale, SOFTCAP, True, IS_WINDOW,
                                         CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, ROT_HALF, PASS,
                                         INTERLEAVED, UPCAST, DOT_PRECISION)
         else:
@@ -484,7 +507,8 @@ def fold_fwd_kernel_stage1(
                 if masked or not IS_WINDOW:
                     m_i, l_i, acc = _attend(m_i, l_i, acc, q, p_k0, p_v0, p_table, stride_kb, stride_kn, stride_vb,
                                             stride_vn, mid if masked else start, end if masked else mid, o_ws, span,
-                                            InvFreq, Trig, masked, IS_WINDOW, CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N,
+                                            InvFreq, Trig, qk_scale, softcap, post_scale, SOFTCAP, masked,
+                                            IS_WINDOW, CAUSAL, ROTATE, PAGE_SIZE, BLOCK_N,
                                             HEAD_DIM, BLOCK_D,
                                             ROT_HALF, PASS, INTERLEAVED, UPCAST, DOT_PRECISION)
         p_o = (OPart + i_b * stride_ob + i_hq[:, None] * stride_oh + o_r[:, None] * stride_or + i_state * stride_os
@@ -590,7 +614,8 @@ def cache_len(k, block_table=None) -> int:
 def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softmax_scale, rotary_dim,
                        interleaved, attention_factor, keys_rotated, return_lse, config: FoldConfig, out_dtype=None,
                        block_table=None, far_per_row=True, lse_base2=False, queries_rotated=False, read_far=True,
-                       sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0):
+                       sliding_window=None, causal=False, k_scale=1.0, v_scale=1.0, far_pages=None, far_page=0,
+                       softcap=0.0):
     """Launch the prologue, stage 1 (window, then far memory unless no sequence can have any) and
     stage 2. Assumes validated inputs (see ``fold.attention``); returns ``(out, lse or None)``.
 
@@ -608,6 +633,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
     ``v_scale`` the output; the query tiles stay in q's dtype). ``far_pages [B, Hkv, K]`` int32 (ascending,
     -1 padded; :func:`fold.far_pages.select_pages`): the far launch reads only those pages of ``far_page``
     entries, its splits sharing the K slots, in tiles of at most the page (>= 16 entries for the dot).
+    ``softcap > 0`` caps each logit ``x = q.k * softmax_scale`` to ``softcap * tanh(x / softcap)`` before
+    the far branch's ``alpha`` (the cap belongs to the drafter's logit; alpha sharpens what it gives).
     """
     batch, n_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -647,8 +674,7 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         q, inv_freq, seqlens, qw, qf, trig,
         q.stride(0), q.stride(1), q.stride(2),
         qw.stride(0), qw.stride(1), qw.stride(2),
-        heads_kv, n_q, max_len, window, q_rot_scale, softmax_scale * k_scale * LOG2E,
-        alpha * softmax_scale * k_scale * LOG2E,
+        heads_kv, n_q, max_len, window, q_rot_scale,
         **consts, KEYS_ROTATED=keys_rotated, ROT_BLOCK_N=rot_block_n, FAR_PER_ROW=far_per_row,
         QUERIES_ROTATED=queries_rotated, num_warps=4 if config.block_m <= 64 else 8,
     )
@@ -657,7 +683,8 @@ def fold_attention_fwd(q, k, v, inv_freq, cache_seqlens, *, window, alpha, softm
         if splits:
             _stage1(q_branch, (q_branch.stride(0), q_branch.stride(1), q_branch.stride(2)), k, v, inv_freq, trig,
                     cache_seqlens, block_table, o_part, lse_part, config, span=span, splits=splits,
-                    state_offset=offset, q_scale=1.0, far_pages=None if is_window else far_pages,
+                    state_offset=offset, far_pages=None if is_window else far_pages,
+                    scales=logit_scales(softmax_scale * k_scale, 1.0 if is_window else alpha, softcap),
                     consts=dict(consts, IS_WINDOW=is_window, CAUSAL=causal and is_window,
                                 ROTATE=is_window != keys_rotated, BLOCK_N=block_n,
                                 FAR_PAGE=0 if is_window or far_pages is None else far_page))
@@ -681,7 +708,7 @@ def plain_attention_fwd(q, k, v, cache_seqlens, *, softmax_scale, config: FoldCo
     # q read in place: rows r * GROUP + h at (b, r, kvh * GROUP + h), so the row stride is the draft row's
     _stage1(q, (q.stride(0), q.stride(2), q.stride(1)), k, v, lse_part, lse_part, cache_seqlens, block_table,
             o_part, lse_part, config, span=0, splits=config.num_splits, state_offset=0,
-            q_scale=softmax_scale * LOG2E, consts=dict(consts, PLAIN=True))
+            scales=logit_scales(softmax_scale, 1.0, 0.0), consts=dict(consts, PLAIN=True))
     return _stage2(o_part, lse_part, q, 0, 1.0, out_dtype=out_dtype, return_lse=return_lse, lse_base2=lse_base2)
 
 
@@ -694,11 +721,20 @@ def _partial_states(q, states: int):
     return o_part, lse_part
 
 
+def logit_scales(scale: float, alpha: float, softcap: float) -> tuple[float, float, float]:
+    """Stage 1's ``(qk_scale, softcap, post_scale)`` for logits ``alpha * cap(q.k * scale)`` in base 2:
+    one product after the dot without a cap (``scale * alpha * log2 e``), else the scale, the cap and
+    ``alpha * log2 e`` after it. Products of host floats: no rounded product of them reaches a tile."""
+    if softcap:
+        return scale, softcap, alpha * LOG2E
+    return scale * alpha * LOG2E, 0.0, 1.0
+
+
 def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_part, lse_part, config: FoldConfig, *,
-            span, splits, state_offset, q_scale, consts, far_pages=None):
+            span, splits, state_offset, scales, consts, far_pages=None):
     """One stage-1 launch of ``splits`` splits writing states ``state_offset + i``; ``consts`` hold
-    its constexprs but PAGE_SIZE, PLAIN and FAR_PAGE (default off), UPCAST and DOT_PRECISION;
-    ``far_pages [B, Hkv, K]`` with ``FAR_PAGE``."""
+    its constexprs but PAGE_SIZE, PLAIN and FAR_PAGE (default off), UPCAST, DOT_PRECISION and SOFTCAP;
+    ``scales``: :func:`logit_scales`; ``far_pages [B, Hkv, K]`` with ``FAR_PAGE``."""
     batch, n_q, heads_kv = o_part.shape[0], o_part.shape[2], k.shape[2]
     upcast = INTERPRETED and k.dtype == torch.bfloat16
     seqlens = cache_seqlens if cache_seqlens is not None else o_part   # dummy pointers when unused
@@ -713,9 +749,9 @@ def _stage1(q, q_strides, k, v, inv_freq, trig, cache_seqlens, block_table, o_pa
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         heads_kv, n_q, cache_len(k, block_table), span, splits, state_offset,
-        pages.shape[-1] if far_pages is not None else 0, q_scale,
+        pages.shape[-1] if far_pages is not None else 0, *scales,
         **{"PLAIN": False, "FAR_PAGE": 0, **consts}, PAGE_SIZE=k.shape[1] if block_table is not None else 0,
-        UPCAST=upcast,
+        UPCAST=upcast, SOFTCAP=scales[1] > 0.0,
         DOT_PRECISION="ieee" if (q.dtype == torch.float32 or upcast) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -151,12 +151,12 @@ def cache_pages(kv_cache: torch.Tensor, head_size: int, dtype: torch.dtype | Non
 
 class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
     """Args beyond vLLM's: ``read`` (:class:`ServeRead`), ``rope`` (the drafter's :class:`fold.Rope`, as
-    vLLM rotates its queries and keys), ``sinks`` ([num_heads] logits or None), ``sliding_window``
-    and ``causal`` (the layer's own)."""
+    vLLM rotates its queries and keys), ``sinks`` ([num_heads] logits or None), ``sliding_window``,
+    ``causal`` and ``softcap`` (the layer's own; ``softcap``: its ``logits_soft_cap``, or None)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, *, read: ServeRead,
                  rope: fold.Rope, sinks: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
-                 sliding_window: int | None = None, causal: bool = False):
+                 sliding_window: int | None = None, causal: bool = False, softcap: float | None = None):
         if kv_cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"fold: kv_cache_dtype {kv_cache_dtype!r} is not served; fold's backend takes "
                              f"{sorted(CACHE_DTYPES)}")
@@ -167,7 +167,7 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         self.kv_sharing_target_layer_name = None
         self.attn_type = AttentionType.DECODER
         self.read, self.rope, self.sinks = read, rope, sinks
-        self.sliding_window, self.causal = sliding_window, causal
+        self.sliding_window, self.causal, self.softcap = sliding_window, causal, softcap or None
         self.far_bounds: torch.Tensor | None = None        # [num_blocks, heads_kv, 2, head_size] float32
         self.context_positions: torch.Tensor | None = None  # set around the DFlash context precompute
 
@@ -238,7 +238,7 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
             cache_seqlens=seq_lens, block_table=block_table, keys_rotated=True, queries_rotated=True,
             softmax_scale=self.scale, return_lse=True, far_position=FAR_POSITION[read.read],
             sliding_window=self.sliding_window, causal=self.causal, k_scale=scales[0], v_scale=scales[1],
-            backend=read.backend, check_ranges=False, **budget)
+            softcap=self.softcap, backend=read.backend, check_ranges=False, **budget)
         if self.sinks is not None:                       # a sink: one more entry of logit s_h and value 0
             total = torch.logaddexp(lse, self.sinks.to(lse.dtype)[None, None, :])
             o = (o.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(q.dtype)

@@ -116,8 +116,6 @@ def install(model: torch.nn.Module, vllm_config) -> int:
         attn, impl = module.attn, module.attn.impl
         if module.rotary_emb is None:
             raise ValueError(f"fold: drafter layer {name} has no rotary embedding; fold's read needs one")
-        if getattr(impl, "logits_soft_cap", None):
-            raise ValueError(f"fold: drafter layer {name} soft-caps its logits, which fold's read does not")
         # the module's own window (DFlash, Laguna), else the one its Attention was built with (Gemma-4 DSpark)
         sliding = getattr(module, "sliding_window", None) or getattr(attn, "sliding_window", None)
         if sliding is not None and sliding < vllm_config.speculative_config.num_speculative_tokens + 1:
@@ -134,7 +132,8 @@ def install(model: torch.nn.Module, vllm_config) -> int:
         attn.impl = FoldAttentionImpl(impl.num_heads, impl.head_size, impl.scale, impl.num_kv_heads, read=read,
                                       rope=rope_of(module.rotary_emb), sinks=sinks,
                                       kv_cache_dtype=cache_dtype_of(getattr(attn, "kv_cache_dtype", "auto")),
-                                      sliding_window=sliding, causal=bool(causal))
+                                      sliding_window=sliding, causal=bool(causal),
+                                      softcap=getattr(impl, "logits_soft_cap", None))
         attn.attn_backend = FoldAttentionBackend
         attn.backend = compat.AttentionBackendEnum[NAME]
         # vLLM frees a sliding layer's pages once they leave its window; FOLD reads them as far memory,

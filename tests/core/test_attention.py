@@ -29,6 +29,8 @@ from tests.helpers import (INTERPRETED, Case, assert_close, cases, check_against
                    causal=True, keys_rotated=True, queries_rotated=True), config=FoldConfig(16, 16, 4, 4, 2))
 @example(case=Case(batch=2, n_q=4, group=3, max_len=150, seqlens=(150, 9), window=8, sliding_window=4, causal=True,
                    far_position="none"), config=FoldConfig(32, 32, 2, 4, 2))
+@example(case=Case(batch=2, n_q=7, heads_kv=2, group=2, head_dim=64, max_len=400, seqlens=(400, 60), window=32,
+                   alpha=3.0, softcap=2.5, keys_rotated=True, dtype=torch.float16), config=FoldConfig(32, 32, 3, 4, 2))
 def test_triton_matches_reference(case, config):
     """The fused kernels (in the interpreter; bf16 through its upcast path) against the float64 reference."""
     with use_config(config):
@@ -40,6 +42,8 @@ def test_triton_matches_reference(case, config):
                    window=2048, dtype=torch.bfloat16, keys_rotated=True))
 @example(case=Case(batch=2, n_q=7, heads_kv=2, group=2, max_len=3000, seqlens=(3000, 40), window=16, sliding_window=512,
                    causal=True, keys_rotated=True, queries_rotated=True))
+@example(case=Case(batch=2, n_q=7, heads_kv=2, group=2, head_dim=64, max_len=3000, seqlens=(3000, 60), window=32,
+                   alpha=3.0, softcap=2.5, queries_rotated=True, dtype=torch.bfloat16))
 def test_torch_matches_reference(case):
     check_against_reference(case, backend="torch")
 

@@ -428,7 +428,7 @@ def keep_attention(impl, args, kwargs, output):
     seq_lens = meta.seq_lens.tolist()
     dense = dense_cache(k_pages, v_pages, meta.block_table, seq_lens, impl.scales(layer))
     return dict(layer=layer.layer_name, dummy=False, num_reqs=meta.num_reqs, read=impl.read, rope=impl.rope, sinks=impl.sinks, scale=impl.scale,
-                sliding=impl.sliding_window, causal=impl.causal, uniform=meta.uniform, n_q=meta.max_query_len,
+                sliding=impl.sliding_window, causal=impl.causal, softcap=impl.softcap, uniform=meta.uniform, n_q=meta.max_query_len,
                 q=query[:tokens].clone(), k=dense[0].to(query.dtype), v=dense[1].to(query.dtype), seq_lens=seq_lens,
                 out=output[:tokens].clone())
 
@@ -459,15 +459,17 @@ def tp_rank(rank: int, world_size: int, port: int, target: str, drafter: str, sc
     torch.save(dict(steps=result["steps"], calls=result["calls"], heads=heads), Path(out) / f"rank{rank}.pt")
 
 
-def truth(call, upcast):
-    """``fold_attention_ref`` of one recorded call (its layer's read, window and causality, the same cache)."""
+def truth(call, upcast, softcap=True):
+    """``fold_attention_ref`` of one recorded call (its layer's read, window, causality and soft cap, the same
+    cache; ``softcap=False`` leaves the cap out)."""
     read, n_q = call["read"], call["n_q"]
     q = call["q"].view(-1, n_q, *call["q"].shape[1:])
     out, lse = fold_attention_ref(
         q, torch.nan_to_num(call["k"]), torch.nan_to_num(call["v"]), window=read.window, rope=call["rope"],
         alpha=read.alpha if read.read == "fold" else 1.0, cache_seqlens=call["seq_lens"], keys_rotated=True,
         queries_rotated=True, softmax_scale=call["scale"], far_position=FAR_POSITION[read.read],
-        sliding_window=call["sliding"], causal=call["causal"], upcast=upcast)
+        sliding_window=call["sliding"], causal=call["causal"], softcap=call["softcap"] if softcap else None,
+        upcast=upcast)
     if call["sinks"] is not None:
         out = out * torch.exp(lse - torch.logaddexp(lse, call["sinks"].to(lse.dtype)))[..., None]
     return out.flatten(0, 1)

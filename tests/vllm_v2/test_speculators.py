@@ -238,19 +238,31 @@ def test_the_ricursive_nope_layer_keeps_vllms_read(run):
     assert {id(impl) for impl in run["stock_calls"]} == {id(nope.attn.impl)}
 
 
-# (f) what fold does not serve
+# (f) a soft-capped drafter layer is served with its cap
 
-def test_a_gemma4_dspark_layer_with_soft_capped_attention_is_refused_by_name(pair):
-    """Gemma-4 DSpark soft-caps its final logits (vLLM's logits processor: served above) but not its
-    attention scores; a drafter whose config sets ``attn_logit_softcapping`` hands the cap to every
-    layer's Attention, and fold's read has none: start-up stops naming the layer."""
+CAP = 0.5           # small enough to bite: the tiny drafter's scaled logits reach well past it
+
+
+def test_a_gemma4_dspark_layer_with_soft_capped_attention_is_served_with_its_cap(pair, target):
+    """A Gemma-4 DSpark drafter whose config sets ``attn_logit_softcapping`` hands the cap to every layer's
+    Attention (``logits_soft_cap``): fold serves the layer with it, every call equals the reference read with
+    that cap (far memory on every call), and the cap changes the result (the uncapped read is far off)."""
     source = drafters.gemma4_dspark(pair["root"] / "gemma4-capped", pair["target"], block_size=K,
-                                    config_overrides=dict(attn_logit_softcapping=50.0))
+                                    config_overrides=dict(attn_logit_softcapping=CAP))
     drafter = fold.vllm.configure(source, pair["root"] / "gemma4-capped-fold", read="fold", window=SMALL_W,
-                                  backend="torch")
-    with pytest.raises(ValueError, match=r"fold: drafter layer model\.layers\.0\.self_attn soft-caps its logits, "
-                                         r"which fold's read does not"):
-        Speculator(pair["target"], drafter, method="dspark", drop_target_layers=True)
+                                  alpha=ALPHA, backend="torch")
+    result = recorded_rounds(Speculator(pair["target"], drafter, method="dspark", drop_target_layers=True), target,
+                             SCHEDULE)
+    assert {type(layer.impl) for layer in result["speculator"].draft_layers.values()} == {FoldAttentionImpl}
+    calls = result["calls"]
+    assert calls and all(call["softcap"] == CAP for call in calls)
+    moved = 0.0
+    for i, call in enumerate(calls):
+        assert min(call["seq_lens"]) - K >= SMALL_W + K                      # every row reads far memory
+        check_close(f"capped call {i} ({call['layer']})", call["out"], truth(call, True), truth(call, False),
+                    torch.float32)
+        moved = max(moved, (truth(call, True) - truth(call, True, softcap=False)).abs().max().item())
+    assert moved > 0.05
 
 
 def test_vllms_other_drafters_keep_vllms_class(v2_process):
