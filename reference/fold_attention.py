@@ -216,3 +216,47 @@ def rope_attention_ref(q, k, v, *, rope, cache_seqlens=None, keys_rotated=False,
     return fold_attention_ref(q, k, v, window=huge, rope=rope, alpha=1.0, cache_seqlens=cache_seqlens,
                               keys_rotated=keys_rotated, queries_rotated=queries_rotated,
                               softmax_scale=softmax_scale, upcast=upcast)
+
+
+def attention_with_kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, rope, rotate_new_keys=False,
+                               cache_batch_idx=None, cache_leftpad=None, block_table=None, **read):
+    """The append form (``fold.attention_with_kvcache``), written out: copies of the caches with ``k``, ``v``
+    [batch, n_new, heads_kv, head_dim] written at ``cache_seqlens[b] + i`` of sequence b's row (``rope``
+    applied at ``index - cache_leftpad[b]`` with ``rotate_new_keys``), each sequence's entries
+    ``[cache_leftpad[b], cache_seqlens[b] + n_new)`` gathered densely, then :func:`fold_attention_ref` over
+    them (``read``: its other arguments). The caller's caches are not changed.
+
+    Returns ``(out, lse, k_cache_after, v_cache_after)``, the last two what the cache must hold afterwards."""
+    batch = q.shape[0]
+    n_new = 0 if k is None else k.shape[1]
+    seqlens = [int(x) for x in (cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else [cache_seqlens] * batch)]
+    starts = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad]
+    rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx]
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    rot = dict(rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, attention_factor=rope.attention_factor)
+
+    def where(b, index):                     # (row, column) of sequence b's cache index
+        if block_table is None:
+            return rows[b], index
+        page = k_cache.shape[1]
+        return int(block_table[b, index // page]), index % page
+
+    for b in range(batch):
+        for i in range(n_new):
+            index = seqlens[b] + i
+            key = k[b, i]
+            if rotate_new_keys:
+                key = apply_rope(key.to(torch.float64), torch.tensor(index - starts[b]), rope.inv_freq,
+                                 **rot).to(k_cache.dtype)
+            k_after[where(b, index)] = key
+            v_after[where(b, index)] = v[b, i]
+    lengths = [seqlens[b] + n_new - starts[b] for b in range(batch)]
+    width = max(lengths)
+    dense_k = k_cache.new_zeros((batch, width) + tuple(k_cache.shape[2:]))
+    dense_v = torch.zeros_like(dense_k)
+    for b in range(batch):
+        for j in range(lengths[b]):
+            dense_k[b, j] = k_after[where(b, starts[b] + j)]
+            dense_v[b, j] = v_after[where(b, starts[b] + j)]
+    out, lse = fold_attention_ref(q, dense_k, dense_v, rope=rope, cache_seqlens=lengths, **read)
+    return out, lse, k_after, v_after
