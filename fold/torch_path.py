@@ -189,11 +189,13 @@ def _read(q, cache: _Cache, lo: int, hi: int, scale: float, read_dtype, rope=Non
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
         k, v = cache.rows(c0, c1)                                                 # [C, Hkv, d]
-        k, v = k.to(read_dtype), v.to(read_dtype)                                 # an FP8 cache: dequantized
-        if rope is not None:
-            cos, sin = rope.cos_sin(c0, c1 - c0, dtype=q.dtype, device=q.device)        # the kept table of j
-            k = rotate_with(k, cos[:, None], sin[:, None], rope, inverse=inverse,
-                            out=buf[:c1 - c0] if k.dtype == q.dtype else None)
+        # a chunk's conversion and rotation are large ops (CHUNK_BYTES of keys): the caller's threads, as the read
+        with parallel_in_serial():
+            k, v = k.to(read_dtype), v.to(read_dtype)                             # an FP8 or half cache: converted
+            if rope is not None:
+                cos, sin = rope.cos_sin(c0, c1 - c0, dtype=q.dtype, device=q.device)    # the kept table of j
+                k = rotate_with(k, cos[:, None], sin[:, None], rope, inverse=inverse,
+                                out=buf[:c1 - c0] if k.dtype == q.dtype else None)
         k, v = k.to(read_dtype).transpose(0, 1), v.transpose(0, 1)                # [Hkv, C, d]
         o, lse = _fused_read(q_in, k if k.stride(-1) == 1 else k.contiguous(),
                              v if v.stride(-1) == 1 else v.contiguous(), scale, softcap, alpha)

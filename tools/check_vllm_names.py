@@ -60,6 +60,10 @@ REQUIRED = [
     (BACKEND, "CommonAttentionMetadata", "causal", "field",
      "build(): passed through as given (bool or tensor); the DFlash proposer checks the metadata's causal"),
     # what FoldMetadataBuilder declares and defines: the base must have the same names for vLLM to read them
+    # FoldAttentionBackend declares it True: vLLM hands a forward's keys to forward(), where the block's
+    # positions are known, instead of writing them through do_kv_cache_update (the cache holds them un-rotated)
+    (BACKEND, "AttentionBackend", "forward_includes_kv_cache_update", "member",
+     "the layer reads attn_backend's flag to choose who writes the keys"),
     (BACKEND, "AttentionMetadataBuilder", "_cudagraph_support", "member",
      "fold declares UNIFORM_BATCH; get_cudagraph_support returns it"),
     (BACKEND, "AttentionCGSupport", "UNIFORM_BATCH", "member", "fold's _cudagraph_support"),
@@ -96,7 +100,7 @@ REQUIRED = [
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "sinks", "member",
      "install(): the same (CPU stock impl)"),
     ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl", "logits_soft_cap", "member",
-     "install(): a soft-capping layer is refused (CUDA stock impl)"),
+     "install(): the cap a layer applies, handed to fold.attention(softcap=) (CUDA stock impl)"),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "logits_soft_cap", "member",
      "install(): the same (CPU stock impl)"),
     (LAYER, "Attention", "get_kv_cache_spec", "method", "reads attn.sliding_window when the cache is planned"),
@@ -140,7 +144,7 @@ LAYER_ATTRS = {
                      "naming it when the config states neither", "info"),
 }
 # Attention(...) arguments FoldAttentionImpl does not apply: keyword -> what install() does with such a layer
-IGNORED_BY_FOLD = {"logits_soft_cap": ("info", "install() refuses a layer whose impl soft-caps (a config that sets it)"),
+IGNORED_BY_FOLD = {"logits_soft_cap": ("info", "install() reads it off the stock impl and fold.attention applies it"),
                    "alibi_slopes": ("DIFF", "FoldAttentionImpl does not apply them")}
 
 # Calls vLLM makes into fold's classes: (module, callee text suffix, fold Class.method, reason). Every call in

@@ -11,7 +11,10 @@ in the triton wheel:
 - ``spill_stores`` / ``spill_loads``: ``STL`` / ``LDL`` instructions in the SASS (local memory is
   only used for spills in these kernels: they have no local arrays);
 - ``shared_bytes``: ``SHARED`` from ``cuobjdump -res-usage`` (static + what Triton requests);
-- ``wgmma``: ``HGMMA`` instructions (Hopper's warpgroup MMA) in the SASS.
+- ``wgmma``: ``HGMMA`` instructions (Hopper's warpgroup MMA) in the SASS;
+- ``fp64``: float64 arithmetic (``DFMA``/``DMUL``/``DADD``/``DSETP``/``DMNMX``) in the SASS: the kernels
+  form rotation angles in float64 and nothing else, so a loop that rotates nothing (the far loop over
+  un-rotated keys) holds none.
 
 Compilation needs no GPU but must run with ``TRITON_INTERPRET`` unset (an interpreted kernel has
 no compiler); :func:`inspect_in_subprocess` runs the report in a clean child process for callers
@@ -98,8 +101,11 @@ def _tool(name: str, *args: str) -> str:
     return subprocess.run([str(TRITON_BIN / name), *args], check=True, capture_output=True, text=True).stdout
 
 
+FP64_OPS = frozenset({"DFMA", "DMUL", "DADD", "DSETP", "DMNMX"})
+
+
 def cubin_resources(cubin: bytes) -> dict:
-    """Registers, shared bytes, spill stores/loads and wgmma count of one cubin."""
+    """Registers, shared bytes, spill stores/loads, wgmma and float64 instruction counts of one cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
@@ -114,6 +120,7 @@ def cubin_resources(cubin: bytes) -> dict:
         spill_stores=sum(op == "STL" for op in opcodes),
         spill_loads=sum(op == "LDL" for op in opcodes),
         wgmma=sum(op == "HGMMA" for op in opcodes),
+        fp64=sum(op in FP64_OPS for op in opcodes),
         instructions=len(opcodes),
     )
 
@@ -126,8 +133,8 @@ DEFAULT_LENGTHS = (8192, 32768, 131072, 262144)
 DEFAULT_HEADS_KV = (1, 2, 4, 8)
 TREE_NODES = 16
 SERVE_PAGE = 16          # vLLM's CUDA block size
-# the reads fold.vllm serves besides FOLD itself (rotated keys and queries, a paged cache), each a
-# variant of the launches: name -> fold_attention_fwd options (sliding windows: Gemma-style 512)
+# the reads fold.vllm serves besides FOLD itself (un-rotated keys, as its cache holds them, rotated queries,
+# a paged cache), each a variant of the launches: name -> fold_attention_fwd options (sliding windows: Gemma-style 512)
 SERVING = {
     "serve-fold": dict(),
     "serve-window": dict(read_far=False),
@@ -245,8 +252,8 @@ def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads
     count of KV heads in ``heads_kv`` (``None``: the shape's own) x key layouts x lengths (the fused
     read: prologue, stage 1, stage 2), for ``fold.tree_attention`` with :data:`TREE_NODES` nodes
     at each length (its cached read and the tree kernel), and with ``serving`` the reads of
-    :data:`SERVING` as ``fold.vllm`` launches them (the shape's own KV heads, rotated queries and keys,
-    pages of :data:`SERVE_PAGE`)."""
+    :data:`SERVING` as ``fold.vllm`` launches them (the shape's own KV heads, rotated queries, un-rotated
+    keys, pages of :data:`SERVE_PAGE`)."""
     from benchmarks.workloads import DRAFTERS
 
     items = []
@@ -275,11 +282,11 @@ def plan(drafters=None, lengths=DEFAULT_LENGTHS, layouts=(False, True), *, heads
             continue
         shape = DRAFTERS[name]
         for length in lengths:
-            config = launched_config(shape, length, True, device=device, sms=sms)
+            config = launched_config(shape, length, False, device=device, sms=sms)
             for read, options in SERVING.items():
-                for launch in fold_launches(shape, length, True, config, page_size=SERVE_PAGE, queries_rotated=True,
+                for launch in fold_launches(shape, length, False, config, page_size=SERVE_PAGE, queries_rotated=True,
                                             **options):
-                    items.append(Item(_kernel_name(launch), name, shape.heads_kv, length, True,
+                    items.append(Item(_kernel_name(launch), name, shape.heads_kv, length, False,
                                       _launch_config(launch), launch, read))
     return items
 
@@ -311,6 +318,7 @@ def report(items: list[Item], *, arch: int = 90, dump: Path | None = None, worke
                             keys_rotated=item.keys_rotated, config=item.config, arch=f"sm_{arch}",
                             registers=res["registers"], spill_stores=res["spill_stores"],
                             spill_loads=res["spill_loads"], shared_bytes=shared, wgmma=res["wgmma"],
+                            fp64=res["fp64"],
                             ctas_per_sm=ctas_per_sm(res["registers"], item.config["num_warps"], shared),
                             cubin=name))
         if log:
@@ -353,7 +361,7 @@ def stage1_spills(shape, keys_rotated: bool, tiles, *, arch: int = 90, length: i
 
 
 HEADER = (f"{'shape':<12} {'read':<13} {'Hkv':>3} {'layout':<9} {'L':>7} {'kernel':<22} {'config':<34} {'regs':>4} "
-          f"{'spill st/ld':>11} {'smem KB':>7} {'wgmma':>5} {'CTA/SM':>6}")
+          f"{'spill st/ld':>11} {'smem KB':>7} {'wgmma':>5} {'fp64':>5} {'CTA/SM':>6}")
 
 
 def format_row(r: dict) -> str:
@@ -367,7 +375,7 @@ def format_row(r: dict) -> str:
     return (f"{r['shape']:<12} {r.get('read', 'fold'):<13} {r['heads_kv']:>3} {layout:<9} {r['length']:>7} "
             f"{r['kernel']:<22} {config:<34} {r['registers']:>4} "
             f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>11} {r['shared_bytes'] / 1024:>7.1f} "
-            f"{r['wgmma']:>5} {r['ctas_per_sm']:>6}")
+            f"{r['wgmma']:>5} {r['fp64']:>5} {r['ctas_per_sm']:>6}")
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,11 +3,17 @@
 The cache is vLLM's per-layer tensor, logically ``[num_blocks, heads_kv, block_size, 2 * head_dim]``
 (keys then values in the last dim, in whatever physical layout vLLM resolved); read as pages
 ``[num_blocks, block_size, heads_kv, head_dim]`` for keys and values it is fold's paged layout, so
-nothing depends on the CPU backend's ISA-specific packing. Keys are written rotated at their true
-positions (vLLM rotates them before the write, and the DFlash context precompute rotates its keys at
-the target positions); queries arrive rotated too. Every drafting round of DFlash/DSpark is a batch
-of ``n_q`` query rows per request over ``seq_lens`` entries whose last ``n_q`` are the block's own:
-exactly ``fold.attention``'s layout.
+nothing depends on the CPU backend's ISA-specific packing. **The cache holds keys un-rotated**, the
+layout FOLD's far memory reads: vLLM hands each key rotated at its true position (the DFlash context
+precompute at the target positions, the drafting forward at the block's), and fold un-rotates it once,
+as it writes it (:meth:`~FoldAttentionImpl.write`), so a round rotates only what it must (its window's
+entries and its block's rows, ``fold.attention(..., keys_rotated=False)``), never the far memory.
+Queries arrive rotated. Every drafting round of DFlash/DSpark is a batch of ``n_q`` query rows per
+request over ``seq_lens`` entries whose last ``n_q`` are the block's own: exactly ``fold.attention``'s
+layout. The positions of a write: the precompute's are handed to fold around the call
+(:func:`fold.vllm.models.hand_context_positions`); the forward's block rows sit at ``seq_len - n_q + r``
+of their request (``forward_includes_kv_cache_update``: vLLM hands the block's keys to ``forward``,
+where the metadata gives those positions).
 
 Every read is one ``fold.attention`` call over the pages (the drafter config's ``fold`` block,
 :mod:`fold.vllm.config`):
@@ -19,7 +25,7 @@ Every read is one ``fold.attention`` call over the pages (the drafter config's `
 With ``"far_budget"`` (``fold`` only) the far branch reads at most ``far_budget // block_size`` pages
 per request and KV head, chosen by per-page bounds of the un-rotated keys: one ``[num_blocks, heads_kv,
 2, head_size]`` float32 tensor per layer beside its cache (indexed by physical block, allocated from the
-cache's shape on first use), updated in :meth:`~FoldAttentionImpl.do_kv_cache_update` as entries are
+cache's shape on first use), updated in :meth:`~FoldAttentionImpl.write` as entries are
 written (a write at a page's offset 0 starts its box afresh, as engines reuse pages).
 
 A sliding-window layer passes its window (``sliding_window``, the paper's per-layer rule: the native
@@ -43,7 +49,7 @@ from typing import ClassVar
 import torch
 
 import fold
-from fold.rope import rerope_scale
+from fold.rope import rerope_scale, rotate
 from fold.vllm.compat import (
     AttentionBackend,
     AttentionCGSupport,
@@ -64,7 +70,8 @@ FAR_POSITION = {"fold": "shared", "rerope": "fixed_distance", "window": "none"}
 class FoldAttentionBackend(AttentionBackend):
     """fold's read of a drafter layer over vLLM's paged cache (see the module docstring)."""
 
-    forward_includes_kv_cache_update: bool = False
+    # forward writes the block's own keys and values: its metadata gives their positions, to un-rotate them
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
 
@@ -141,6 +148,17 @@ class FoldMetadataBuilder(AttentionMetadataBuilder[FoldMetadata]):
         """Nothing to do: ``metadata`` holds the buffers V2 rewrites in place for each draft step."""
 
 
+def block_positions(meta: FoldMetadata, tokens: int) -> torch.Tensor:
+    """``[tokens]`` the positions of a forward's query tokens: token ``t`` of request ``b`` (its rows
+    ``query_start_loc[b] ..``) sits at ``seq_lens[b] - q_len_b + (t - query_start_loc[b])`` (a block's rows
+    are the last entries of their request). Device ops on fixed shapes: no host read, capture safe."""
+    starts = meta.query_start_loc
+    t = torch.arange(tokens, device=starts.device, dtype=starts.dtype)
+    req = torch.searchsorted(starts[1:meta.num_reqs + 1], t, right=True).clamp(max=max(meta.num_reqs - 1, 0))
+    q_len = starts[req + 1] - starts[req]
+    return meta.seq_lens[req].long() - q_len + (t - starts[req])
+
+
 def cache_pages(kv_cache: torch.Tensor, head_size: int, dtype: torch.dtype | None = None):
     """vLLM's per-layer cache ``[num_blocks, heads_kv, block_size, 2 * head_size]`` -> key and value
     pages ``[num_blocks, block_size, heads_kv, head_size]`` each (views, no copy), viewed as ``dtype``
@@ -170,6 +188,9 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         self.sliding_window, self.causal, self.softcap = sliding_window, causal, softcap or None
         self.far_bounds: torch.Tensor | None = None        # [num_blocks, heads_kv, 2, head_size] float32
         self.context_positions: torch.Tensor | None = None  # set around the DFlash context precompute
+        # the un-rotation R_{-j} of a key vLLM rotated at j: a pure rotation, and 1/f off its rotary dims (R_j
+        # carries YaRN's attention factor f), so the cache holds k itself
+        self.unrotate_factor = 1.0 / rope.attention_factor
 
     @property
     def budgeted(self) -> bool:
@@ -199,12 +220,16 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: FoldMetadata | None, output,
                 output_scale=None, output_block_scale=None):
         """``query [num_tokens, num_heads, head_size]`` (rotated at its positions) -> ``output`` of the
-        same shape; the layer's keys and values are already in ``kv_cache`` (:meth:`do_kv_cache_update`)."""
+        same shape; ``key, value [num_tokens, num_kv_heads, head_size]`` (keys rotated at their positions,
+        or None) are written first (:meth:`write`), un-rotated at ``seq_len - q_len + r`` of their request."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fold's vLLM backend has no fused output quantization")
         if attn_metadata is None:                                            # profiling / warm-up
             return output.fill_(0)
         meta, tokens = attn_metadata, attn_metadata.num_actual_tokens
+        if key is not None and value is not None:
+            self.write(layer, key[:tokens], value[:tokens], kv_cache, meta.slot_mapping[:tokens],
+                       block_positions(meta, tokens))
         k_pages, v_pages = cache_pages(kv_cache, self.head_size, self.cache_dtype)
         scales = self.scales(layer)
         q, out = query[:tokens], output[:tokens]
@@ -235,7 +260,7 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
                           far_rank=read.far_rank)
         o, lse = fold.attention(
             q, k_pages, v_pages, window=read.window, rope=self.rope, alpha=read.alpha if read.read == "fold" else 1.0,
-            cache_seqlens=seq_lens, block_table=block_table, keys_rotated=True, queries_rotated=True,
+            cache_seqlens=seq_lens, block_table=block_table, keys_rotated=False, queries_rotated=True,
             softmax_scale=self.scale, return_lse=True, far_position=FAR_POSITION[read.read],
             sliding_window=self.sliding_window, causal=self.causal, k_scale=scales[0], v_scale=scales[1],
             softcap=self.softcap, backend=read.backend, check_ranges=False, **budget)
@@ -245,19 +270,25 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         return o
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """Write ``key, value [num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` (slot =
-        page * block_size + offset; negative slots are padding), quantized for an FP8 cache.
+        """The DFlash context precompute's write (vLLM calls it directly, positions handed around the call by
+        :func:`fold.vllm.models.hand_context_positions`): :meth:`write` at :attr:`context_positions`."""
+        positions = self.context_positions
+        if positions is None or positions.shape[0] < slot_mapping.shape[0]:
+            raise RuntimeError("fold: a key write without the keys' positions (fold's cache holds keys un-rotated); "
+                               "vLLM wrote a drafter layer's cache outside the context precompute fold wraps")
+        self.write(layer, key, value, kv_cache, slot_mapping, positions[:slot_mapping.shape[0]], bounds=True)
+
+    def write(self, layer, key, value, kv_cache, slot_mapping, positions, bounds: bool = False) -> None:
+        """Write ``key, value [T, num_kv_heads, head_size]`` (keys rotated at ``positions [T]``) at
+        ``slot_mapping [T]`` (slot = page * block_size + offset; negative slots are padding): each key
+        un-rotated (``R_{-j}``, the attention factor off), then quantized for an FP8 cache.
 
         One scatter, no host sync: a padding row rewrites slot 0 (vLLM's null block, which holds no
-        request's entries) with the value it read there, so padding changes nothing.
-
-        With a far budget the written keys also go into the layer's far-page bounds
-        (``fold.far_pages.update_bounds`` over ``slot_mapping``: in place, no host sync, negative slots
-        skipped), un-rotated at their positions and dequantized as the read will see them. Those
-        positions are known for the DFlash context precompute (:attr:`context_positions`, set around it
-        by :func:`fold.vllm.models.hand_context_positions`), which writes every committed entry; the
-        block's own rows, written by the drafting forward, are not folded in: they are never far in
-        the round that writes them, and the precompute rewrites each committed one at its slot."""
+        request's entries) with the value it read there, so padding changes nothing. With a far budget and
+        ``bounds`` (the precompute's writes: every committed entry) the written keys also go into the layer's
+        far-page bounds (``fold.far_pages.update_bounds``, in place), dequantized as the read will see them;
+        the block's own rows, written by the drafting forward, are not: they are never far in the round that
+        writes them, and the precompute rewrites each committed one at its slot."""
         k_pages, v_pages = cache_pages(kv_cache, self.head_size)          # as stored (uint8 for FP8)
         count = slot_mapping.shape[0]
         valid = slot_mapping >= 0
@@ -265,23 +296,23 @@ class FoldAttentionImpl(AttentionImpl[FoldMetadata]):
         page, offset = slots // k_pages.shape[1], slots % k_pages.shape[1]
         keep = valid[:, None, None]
         k_scale, v_scale = self.scales(layer)
-        for pages, x, scale in ((k_pages, key[:count], k_scale), (v_pages, value[:count], v_scale)):
+        key = rotate(key[:count].transpose(0, 1), -positions.long(), self.rope,
+                     factor=self.unrotate_factor).transpose(0, 1)
+        for pages, x, scale in ((k_pages, key, k_scale), (v_pages, value[:count], v_scale)):
             pages[page, offset] = torch.where(keep, self.stored(x, scale, pages.dtype), pages[page, offset])
-        positions = self.context_positions
-        if self.budgeted and positions is not None and positions.shape[0] >= count:
-            self.update_bounds(key[:count], slot_mapping, positions[:count], k_pages, k_scale)
+        if bounds and self.budgeted:
+            self.update_bounds(key, slot_mapping, k_pages, k_scale)
 
-    def update_bounds(self, key, slot_mapping, positions, k_pages, k_scale: float = 1.0) -> None:
-        """Fold ``key [T, num_kv_heads, head_size]`` (rotated at ``positions [T]``, written at
-        ``slot_mapping [T]``, negative = padding) into the far-page bounds, as the cache holds them
-        (an FP8 cache: quantized, then times ``k_scale``)."""
+    def update_bounds(self, key, slot_mapping, k_pages, k_scale: float = 1.0) -> None:
+        """Fold ``key [T, num_kv_heads, head_size]`` (un-rotated, written at ``slot_mapping [T]``, negative =
+        padding) into the far-page bounds, as the cache holds them (an FP8 cache: quantized, then times
+        ``k_scale``)."""
         from fold.far_pages import update_bounds
 
         bounds = self.bounds_for(k_pages)
         if self.cache_dtype is not None:
             key = (key.to(torch.float32) / k_scale).to(self.cache_dtype).to(torch.float32) * k_scale
-        update_bounds(bounds, key, far_page=k_pages.shape[1], slot_mapping=slot_mapping, positions=positions.long(),
-                      keys_rotated=True, rope=self.rope)
+        update_bounds(bounds, key, far_page=k_pages.shape[1], slot_mapping=slot_mapping)
 
     def stored(self, x: torch.Tensor, scale: float, stored_dtype: torch.dtype) -> torch.Tensor:
         """``x`` as the cache stores it: ``x / scale`` in FP8 (viewed as the cache's uint8), else cast."""

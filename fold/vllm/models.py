@@ -147,14 +147,12 @@ def hand_context_positions(model: torch.nn.Module) -> None:
 
     vLLM's ``precompute_and_store_context_kv(states, positions, slot_mapping)`` writes each layer's
     context keys, rotated at ``positions``, through ``do_kv_cache_update``, which is not handed the
-    positions; the far-page bounds are of un-rotated keys, so each fold layer is given them for the
-    duration of the call (:attr:`FoldAttentionImpl.context_positions`). On V1 (0.32, 0.33) the
-    precompute runs outside CUDA graphs; V2's DFlash speculator (0.33, 0.34) captures it inside the full
+    positions; fold's cache holds keys un-rotated (and the far-page bounds are of those keys), so each
+    fold layer is given them for the duration of the call (:attr:`FoldAttentionImpl.context_positions`).
+    On V1 (0.32, 0.33) the precompute runs outside CUDA graphs; V2's DFlash speculator (0.33, 0.34) captures it inside the full
     draft graph, so what runs here is plain Python around the call, setting a reference to vLLM's own
     persistent ``positions`` buffer, and the write it wraps reads no tensor on the host."""
     impls = [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), FoldAttentionImpl)]
-    if not any(impl.read.far_budget is not None for impl in impls):
-        return
     for owner in {id(o): o for o in (model, getattr(model, "model", None)) if o is not None}.values():
         precompute = getattr(owner, "precompute_and_store_context_kv", None)
         if precompute is None or getattr(precompute, "_fold_positions", False):

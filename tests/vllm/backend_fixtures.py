@@ -52,13 +52,23 @@ def fake_layer(k_scale=1.0, v_scale=1.0):
     return SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale, layer_name="model.layers.0.self_attn.attn")
 
 
+def positions_of(keys):
+    """The positions of every entry of each sequence, in order (each sequence from 0)."""
+    return torch.cat([torch.arange(len(k)) for k in keys])
+
+
 def write_all(impl, layer, kv_cache, keys, values, table):
-    """The keys and values written through do_kv_cache_update as vLLM does, with padding slots."""
+    """The keys and values written through do_kv_cache_update as the DFlash context precompute does (its
+    positions handed around the call, as fold.vllm.models.hand_context_positions does), with padding slots."""
     slots = slots_of(table, [len(k) for k in keys])
     pad = torch.full((5,), -1, dtype=torch.int64)
     key, value = torch.cat(keys), torch.cat(values)
-    impl.do_kv_cache_update(layer, torch.cat([key, key[:5]]), torch.cat([value, value[:5]]), kv_cache,
-                            torch.cat([slots, pad]))
+    impl.context_positions = torch.cat([positions_of(keys), torch.zeros(5, dtype=torch.int64)])
+    try:
+        impl.do_kv_cache_update(layer, torch.cat([key, key[:5]]), torch.cat([value, value[:5]]), kv_cache,
+                                torch.cat([slots, pad]))
+    finally:
+        impl.context_positions = None
 
 
 def empty_cache(dtype):

@@ -121,7 +121,7 @@ def truth(call, upcast):
         q = q.to(call["q"].dtype)
     out, lse = fold_attention_ref(
         q, torch.nan_to_num(call["k"]), torch.nan_to_num(call["v"]), window=read.window, rope=call["rope"],
-        alpha=read.alpha if read.read == "fold" else 1.0, cache_seqlens=call["seq_lens"], keys_rotated=True,
+        alpha=read.alpha if read.read == "fold" else 1.0, cache_seqlens=call["seq_lens"], keys_rotated=False,
         queries_rotated=True, softmax_scale=call["scale"], far_position=FAR_POSITION[read.read],
         sliding_window=call["sliding"], causal=call["causal"], upcast=upcast)
     if call["sinks"] is not None:

@@ -13,13 +13,15 @@ from fold.vllm.config import ServeRead
 from reference import fold_attention_ref
 from reference.tolerance import check_close
 from tests.helpers import HostReads
+from fold.rope import rotate
 from tests.vllm.backend_fixtures import (BLOCKS, D, HKV, HQ, PAGE, ROPE, empty_cache, fake_layer, make_batch,
-                                         make_impl, slots_of, write_all)
+                                         make_impl, positions_of, slots_of, write_all)
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_page_writes_land_at_their_slots_and_padding_changes_nothing(cache_dtype):
-    """Every valid row lands at its slot, quantized as ``x / scale`` for FP8; padding (slot -1) rewrites
-    only slot 0 with what it held; nothing else changes."""
+    """Every valid row lands at its slot, its key un-rotated at its position (the cache holds keys as FOLD's
+    far memory reads them), quantized as ``x / scale`` for FP8; padding (slot -1) rewrites only slot 0 with
+    what it held; nothing else changes."""
     q, keys, values, cad = make_batch([37, 50], 4)
     impl, layer = make_impl(ServeRead("fold", 8, 2.0), cache_dtype), fake_layer(0.5, 2.0)
     kv_cache = empty_cache(cache_dtype)
@@ -29,7 +31,8 @@ def test_page_writes_land_at_their_slots_and_padding_changes_nothing(cache_dtype
     k_pages, v_pages = cache_pages(kv_cache, D, impl.cache_dtype)
     slots = slots_of(cad.block_table_tensor, [37, 50])
     got_k, got_v = k_pages[slots // PAGE, slots % PAGE].float(), v_pages[slots // PAGE, slots % PAGE].float()
-    want_k, want_v = torch.cat(keys), torch.cat(values)
+    want_k = rotate(torch.cat(keys).transpose(0, 1), -positions_of(keys), ROPE, factor=1.0).transpose(0, 1)
+    want_v = torch.cat(values)
     if impl.cache_dtype is not None:
         want_k = (want_k / 0.5).to(impl.cache_dtype).float()
         want_v = (want_v / 2.0).to(impl.cache_dtype).float()
@@ -50,7 +53,8 @@ READS = [ServeRead("fold", 8, 2.0), ServeRead("rerope", 8, training_length=16), 
     (ServeRead("window", 8), "fp8_e5m2", None, "triton")])
 def test_every_read_over_the_written_pages_equals_the_reference(read, cache_dtype, sliding, backend):
     """forward() of a drafting batch (written through do_kv_cache_update, FP8 with the layer's scales)
-    against fold_attention_ref on the cache as stored (dequantized): both backends, sinks merged."""
+    against fold_attention_ref on the cache as stored (un-rotated keys, dequantized): both backends, sinks
+    merged."""
     read = ServeRead(read.read, read.window, read.alpha, read.training_length, backend)
     q, keys, values, cad = make_batch([37, 60, 4], 4)
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3))
@@ -73,7 +77,7 @@ def test_every_read_over_the_written_pages_equals_the_reference(read, cache_dtyp
         qb = qb * torch.tensor([[max(1.0, torch.log(torch.tensor(n - 4 + r + 1.0)).item() / torch.log(
             torch.tensor(16.0)).item()) for r in range(4)] for n in [37, 60, 4]])[..., None, None]
     kw = dict(window=8, rope=ROPE, alpha=read.alpha if read.read == "fold" else 1.0, cache_seqlens=[37, 60, 4],
-              keys_rotated=True, queries_rotated=True, far_position=FAR_POSITION[read.read], sliding_window=sliding,
+              keys_rotated=False, queries_rotated=True, far_position=FAR_POSITION[read.read], sliding_window=sliding,
               causal=sliding is not None)
 
     def want(upcast):
@@ -98,7 +102,8 @@ def test_the_builder_declares_uniform_batch_graphs_and_in_place_updates():
 
 @pytest.mark.parametrize("read", READS + [ServeRead("fold", 8, 2.0, backend="triton")], ids=lambda r: r.read)
 def test_a_drafting_step_compiles_as_one_graph_without_host_syncs(read):
-    """build, do_kv_cache_update and forward of a uniform batch under torch.compile(fullgraph=True),
+    """build and forward (the block's keys and values written there, un-rotated at the positions its metadata
+    gives) of a uniform batch under torch.compile(fullgraph=True),
     which refuses data-dependent Python (``.tolist()``, ``.item()``, ``bool(tensor)``, boolean masks):
     the same code runs eagerly and compiled, with equal results."""
     q, keys, values, cad = make_batch([37, 50], 4)
@@ -111,8 +116,7 @@ def test_a_drafting_step_compiles_as_one_graph_without_host_syncs(read):
 
     def step(kv_cache, query, out):
         meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
-        impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, meta.slot_mapping)
-        return impl.forward(layer, query, None, None, kv_cache, meta, out)
+        return impl.forward(layer, query, new_k, new_v, kv_cache, meta, out)
 
     caches = []
     for _ in range(2):
@@ -144,6 +148,5 @@ def test_a_drafting_step_on_the_gpu_code_path_reads_nothing_on_the_host(read, sl
     output = torch.zeros_like(q)
     with HostReads() as reads:
         meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
-        impl.do_kv_cache_update(layer, torch.randn(8, HKV, D), torch.randn(8, HKV, D), kv_cache, meta.slot_mapping)
-        impl.forward(layer, q, None, None, kv_cache, meta, output)
+        impl.forward(layer, q, torch.randn(8, HKV, D), torch.randn(8, HKV, D), kv_cache, meta, output)
     assert reads.calls == [] and torch.isfinite(output).all()

@@ -9,24 +9,9 @@ from fold.vllm.backend import FoldMetadataBuilder, cache_pages
 from fold.vllm.config import ServeRead
 from tests.helpers import HostReads
 from tests.vllm.backend_fixtures import (BLOCKS, D, HKV, PAGE, ROPE, empty_cache, fake_layer, make_batch, make_impl,
-                                         slots_of)
+                                         slots_of, write_all)
 
 LENGTHS = [37, 60, 4]
-
-
-def _precompute(impl, layer, kv_cache, keys, values, table):
-    """The context written as vLLM's DFlash precompute writes it: do_kv_cache_update with the positions
-    handed over (``context_positions``), padding slots included."""
-    slots = slots_of(table, [len(k) for k in keys])
-    positions = torch.cat([torch.arange(len(k)) for k in keys])
-    pad = torch.full((5,), -1, dtype=torch.int64)
-    impl.context_positions = torch.cat([positions, torch.zeros(5, dtype=torch.int64)])
-    try:
-        impl.do_kv_cache_update(layer, torch.cat([torch.cat(keys), torch.cat(keys)[:5]]),
-                                torch.cat([torch.cat(values), torch.cat(values)[:5]]), kv_cache,
-                                torch.cat([slots, pad]))
-    finally:
-        impl.context_positions = None
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
@@ -36,30 +21,31 @@ def test_bounds_kept_on_writes_equal_the_bounds_built_from_the_cache(cache_dtype
     q, keys, values, cad = make_batch(LENGTHS, 4)
     impl, layer = make_impl(ServeRead("fold", 8, 2.0, far_budget=2 * PAGE), cache_dtype), fake_layer(0.5, 2.0)
     kv_cache = empty_cache(cache_dtype)
-    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     k_pages, _ = cache_pages(kv_cache, D, impl.cache_dtype)
     want = far_pages.page_bounds(k_pages, PAGE, cache_seqlens=torch.tensor(LENGTHS),
-                                 block_table=cad.block_table_tensor, keys_rotated=True, rope=ROPE,
-                                 k_scale=impl.scales(layer)[0])
+                                 block_table=cad.block_table_tensor, k_scale=impl.scales(layer)[0])
     used = torch.cat([cad.block_table_tensor[b, :-(-n // PAGE)] for b, n in enumerate(LENGTHS)]).long()
     got = impl.far_bounds
     assert got.shape == (BLOCKS, HKV, 2, D) and got.dtype == torch.float32
-    assert torch.equal(got[used], want[used])       # the same un-rotation, entry by entry
+    assert torch.equal(got[used], want[used])       # the keys as the cache holds them, entry by entry
     unused = torch.ones(BLOCKS, dtype=torch.bool)
     unused[used] = False
     assert (got[unused][:, :, 0] == float("-inf")).all() and (got[unused][:, :, 1] == float("inf")).all()
 
 
 def test_the_drafting_forward_leaves_the_bounds_alone():
-    """The block's rows (no positions handed over) are not folded in: never far in the round that
+    """The block's rows (written by the drafting forward) are not folded in: never far in the round that
     writes them, and the precompute rewrites each committed one."""
     q, keys, values, cad = make_batch(LENGTHS, 4)
     impl, layer = make_impl(ServeRead("fold", 8, 2.0, far_budget=2 * PAGE)), fake_layer()
     kv_cache = empty_cache("auto")
-    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     before = impl.far_bounds.clone()
-    impl.do_kv_cache_update(layer, torch.randn(4, HKV, D) * 100, torch.randn(4, HKV, D), kv_cache,
-                            slots_of(cad.block_table_tensor, [60])[-4:])
+    cad.slot_mapping = torch.cat([slots_of(cad.block_table_tensor[b:b + 1], [n])[-4:] for b, n in enumerate(LENGTHS)])
+    meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
+    impl.forward(layer, q, torch.randn(len(q), HKV, D) * 100, torch.randn(len(q), HKV, D), kv_cache, meta,
+                 torch.empty_like(q))
     assert torch.equal(impl.far_bounds, before)
 
 
@@ -67,7 +53,7 @@ def _forward(read, sliding=None):
     q, keys, values, cad = make_batch(LENGTHS, 4)
     impl, layer = make_impl(read, sliding=sliding, causal=sliding is not None), fake_layer()
     kv_cache = empty_cache("auto")
-    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     meta = FoldMetadataBuilder(None, ["layer"], None, torch.device("cpu")).build(0, cad)
     output = torch.full_like(q, float("nan"))
     impl.forward(layer, q, None, None, kv_cache, meta, output)
@@ -94,9 +80,9 @@ def test_the_budgeted_read_is_fold_attention_over_the_kept_bounds(backend, rank)
     output, impl, q, kv_cache, cad = _forward(read)
     k_pages, v_pages = cache_pages(kv_cache, D)
     bounds = far_pages.page_bounds(k_pages, PAGE, cache_seqlens=torch.tensor(LENGTHS),
-                                   block_table=cad.block_table_tensor, keys_rotated=True, rope=ROPE)
+                                   block_table=cad.block_table_tensor)
     want = fold.attention(q.view(3, 4, *q.shape[1:]), k_pages, v_pages, window=8, rope=ROPE, alpha=2.0,
-                          cache_seqlens=cad.seq_lens, block_table=cad.block_table_tensor, keys_rotated=True,
+                          cache_seqlens=cad.seq_lens, block_table=cad.block_table_tensor, keys_rotated=False,
                           queries_rotated=True, softmax_scale=D ** -0.5, far_budget=2 * PAGE, far_page=PAGE,
                           far_bounds=bounds, far_rank=rank, backend=backend)
     assert torch.equal(output, want.flatten(0, 1))  # the same op on the same pages and bounds
@@ -107,7 +93,7 @@ def test_a_budgeted_drafting_step_reads_nothing_on_the_host():
     q, keys, values, cad = make_batch([37, 50], 4)
     impl, layer = make_impl(ServeRead("fold", 8, 2.0, backend="triton", far_budget=2 * PAGE)), fake_layer()
     kv_cache = empty_cache("auto")
-    _precompute(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
+    write_all(impl, layer, kv_cache, keys, values, cad.block_table_tensor)
     cad.slot_mapping = slots_of(cad.block_table_tensor, [37, 50])[[33, 34, 35, 36, 83, 84, 85, 86]]
     output = torch.zeros_like(q)
     with HostReads() as reads:
@@ -191,8 +177,7 @@ def test_the_engines_kept_bounds_bound_every_far_page_and_the_read_follows_them(
     for i, call in enumerate(calls):
         read, n_q, page = call["read"], call["n_q"], 32
         k = torch.nan_to_num(call["k"])
-        exact = far_pages.page_bounds(k, page, cache_seqlens=torch.tensor(call["seq_lens"]), keys_rotated=True,
-                                      rope=call["rope"])
+        exact = far_pages.page_bounds(k, page, cache_seqlens=torch.tensor(call["seq_lens"]))
         kept = torch.stack([far_pages.empty_bounds(exact.shape[1], *exact.shape[2:3], exact.shape[-1])
                             for _ in call["seq_lens"]])
         for b, (length, table) in enumerate(zip(call["seq_lens"], call["tables"])):
@@ -202,7 +187,7 @@ def test_the_engines_kept_bounds_bound_every_far_page_and_the_read_follows_them(
             assert (got[..., 0, :] >= want[..., 0, :] - 1e-5).all() and (got[..., 1, :] <= want[..., 1, :] + 1e-5).all()
         q = call["q"].view(-1, n_q, *call["q"].shape[1:])
         kw = dict(window=read.window, rope=call["rope"], alpha=read.alpha, cache_seqlens=call["seq_lens"],
-                  keys_rotated=True, queries_rotated=True, softmax_scale=call["scale"], far_budget=read.far_budget,
+                  keys_rotated=False, queries_rotated=True, softmax_scale=call["scale"], far_budget=read.far_budget,
                   far_page=page, far_bounds=kept)
         truth = [fold_attention_ref(q, k, torch.nan_to_num(call["v"]), **kw, upcast=u)[0].flatten(0, 1)
                  for u in (True, False)]

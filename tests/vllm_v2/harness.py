@@ -466,7 +466,7 @@ def truth(call, upcast, softcap=True):
     q = call["q"].view(-1, n_q, *call["q"].shape[1:])
     out, lse = fold_attention_ref(
         q, torch.nan_to_num(call["k"]), torch.nan_to_num(call["v"]), window=read.window, rope=call["rope"],
-        alpha=read.alpha if read.read == "fold" else 1.0, cache_seqlens=call["seq_lens"], keys_rotated=True,
+        alpha=read.alpha if read.read == "fold" else 1.0, cache_seqlens=call["seq_lens"], keys_rotated=False,
         queries_rotated=True, softmax_scale=call["scale"], far_position=FAR_POSITION[read.read],
         sliding_window=call["sliding"], causal=call["causal"], softcap=call["softcap"] if softcap else None,
         upcast=upcast)

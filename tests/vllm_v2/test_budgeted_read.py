@@ -47,15 +47,15 @@ def keep_with_bounds(impl, args, kwargs, output):
     return call
 
 
-WRITE = inspect.signature(FoldAttentionImpl.do_kv_cache_update)
+WRITE = inspect.signature(FoldAttentionImpl.write)
 
 
 def keep_write(impl, args, kwargs, result):
-    """One ``do_kv_cache_update``: the layer, the positions handed over (None: the drafting forward's), the slots."""
-    slots = WRITE.bind(impl, *args, **kwargs).arguments["slot_mapping"]
-    positions = impl.context_positions
-    return dict(impl=impl, slots=slots.clone(),
-                positions=None if positions is None else positions[:slots.shape[0]].clone())
+    """One cache write (``FoldAttentionImpl.write``): the layer, its slots and positions, and whether it came
+    from the context precompute (which keeps the far-page bounds) or the drafting forward."""
+    bound = WRITE.bind(impl, *args, **kwargs).arguments
+    return dict(impl=impl, slots=bound["slot_mapping"].clone(), positions=bound["positions"].clone(),
+                precompute=bound.get("bounds", False))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def budget_run(request, pair, target):
     drafter = with_block(pair, f"drafter-budget-{request.param}", read="fold", window=WINDOW, alpha=2.0,
                          far_budget=BUDGET, far_page=BLOCK, far_rank=request.param)
     speculator = Speculator(pair["target"], drafter)
-    with Recorder(FoldAttentionImpl, "do_kv_cache_update", keep_write) as writes:
+    with Recorder(FoldAttentionImpl, "write", keep_write) as writes:
         run = recorded_rounds(speculator, target, SCHEDULE, keep=keep_with_bounds)
     return dict(run, writes=writes.calls, rank=request.param)
 
@@ -80,7 +80,8 @@ def target(pair):
 
 def test_the_precompute_hands_the_layers_its_positions(budget_run):
     """hand_context_positions wrapped V2's context precompute: its writes (every committed entry) come with
-    their positions, which are those of their slots' offsets; the drafting forward's come without."""
+    their positions, which are those of their slots' offsets; the drafting forward's come with the block rows'
+    positions its metadata gives, likewise those of their slots (both are un-rotated at them)."""
     speculator = budget_run["speculator"]
     model = speculator.spec.model
     owners = [o for o in (model, getattr(model, "model", None)) if hasattr(o, "precompute_and_store_context_kv")]
@@ -88,14 +89,13 @@ def test_the_precompute_hands_the_layers_its_positions(budget_run):
     impls = {id(layer.impl) for layer in speculator.draft_layers.values()}
     writes = budget_run["writes"]
     assert {id(w["impl"]) for w in writes} == impls
-    handed = [w for w in writes if w["positions"] is not None]
+    handed = [w for w in writes if w["precompute"]]
     # one precompute write and one drafting write per layer and step
     assert len(handed) == len(writes) - len(handed) == len(impls) * len(SCHEDULE)
-    written = 0
-    for w in handed:
+    for w in writes:
         valid = w["slots"] >= 0
         assert torch.equal(w["positions"][valid] % BLOCK, w["slots"][valid] % BLOCK)
-        written += int(valid.sum())
+    written = sum(int((w["slots"] >= 0).sum()) for w in handed)
     # the committed entries: every prompt, and each verify's bonus and accepted drafts
     committed = sum(len(p) for p in PROMPTS.values()) + sum(K - n + 1 for step in SCHEDULE for _, n in step
                                                             if isinstance(n, int))
@@ -104,7 +104,7 @@ def test_the_precompute_hands_the_layers_its_positions(budget_run):
 
 def test_the_kept_bounds_are_the_committed_pages_bounds(budget_run):
     """On every call the layer's bounds exist, and on each request's pages that hold committed entries they are
-    finite and equal the bounds of those entries as the cache holds them (un-rotated at their positions);
+    finite and equal the bounds of those entries as the cache holds them (un-rotated when written);
     the null block and the blocks no request ever held stay empty."""
     calls = budget_run["calls"]
     assert len(calls) == 2 * len(SCHEDULE)
@@ -113,8 +113,8 @@ def test_the_kept_bounds_are_the_committed_pages_bounds(budget_run):
         assert bounds is not None and bounds.dtype == torch.float32, f"call {i}"
         committed = [n - N_Q for n in call["seq_lens"]]
         keys = torch.nan_to_num(call["k"])
-        exact, same_dtype = (far_pages.page_bounds(keys.to(dtype), BLOCK, cache_seqlens=committed, keys_rotated=True,
-                                                   rope=call["rope"]) for dtype in (torch.float64, torch.float32))
+        exact, same_dtype = (far_pages.page_bounds(keys.to(dtype), BLOCK, cache_seqlens=committed)
+                             for dtype in (torch.float64, torch.float32))
         for b, (n, table) in enumerate(zip(committed, call["tables"], strict=True)):
             pages = -(-n // BLOCK)
             kept = bounds[torch.tensor(table[:pages])]
@@ -137,7 +137,7 @@ def budgeted_truth(call, upcast, far_budget=BUDGET):
     budget = {} if far_budget is None else dict(far_budget=far_budget, far_page=BLOCK, far_bounds=kept,
                                                 far_rank=read.far_rank)
     out, _ = fold_attention_ref(q, k, v, window=read.window, rope=call["rope"], alpha=read.alpha,
-                                cache_seqlens=call["seq_lens"], keys_rotated=True, queries_rotated=True,
+                                cache_seqlens=call["seq_lens"], keys_rotated=False, queries_rotated=True,
                                 softmax_scale=call["scale"], upcast=upcast, **budget)
     return out.flatten(0, 1)
 
