@@ -181,7 +181,8 @@ def _scratch(shape, dtype, device):
         size *= n
     held = getattr(_SCRATCH, "buffer", None)
     if held is None or held.dtype != dtype or held.numel() < size:
-        held = _SCRATCH.buffer = torch.empty(size, dtype=dtype)
+        with torch.inference_mode(False):           # a normal tensor: writable in and out of inference mode
+            held = _SCRATCH.buffer = torch.empty(size, dtype=dtype)
     return held[:size].view(shape)
 
 

@@ -58,3 +58,19 @@ def test_chunked_reads_match_the_reference(case):
         check_against_reference(case, backend="torch")
     finally:
         mp.undo()
+
+
+def test_the_kept_rotation_buffer_serves_reads_in_and_out_of_inference_mode():
+    """The torch path keeps one buffer per thread for a chunk's rotated keys: made under
+    ``torch.inference_mode`` (a drafting loop), it must stay writable by a later read outside it."""
+    from fold import torch_path
+
+    torch_path._SCRATCH.__dict__.clear()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, 16, generator=g), torch.randn(1, 64, 2, 16, generator=g),
+               torch.randn(1, 64, 2, 16, generator=g))
+    kw = dict(window=8, rope=fold.Rope.from_theta(10000.0, 16), backend="torch")
+    with torch.inference_mode():
+        inside = fold.attention(q, k, v, **kw)
+    outside = fold.attention(q, k, v, **kw)
+    assert torch.equal(inside, outside)
