@@ -196,20 +196,16 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Rop
     rotary_dim, half = rope.rotary_dim, rope.rotary_dim // 2
     src = x if x.dtype == work else x.to(work)
     sign = 1.0 if inverse else -1.0
+    # the pairs turned together: GPT-J's x[2i] with x[2i + 1], or NeoX's x[i] with x[i + rotary_dim / 2]
+    pairs = ((slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)) if rope.interleaved
+             else (slice(0, half), slice(half, rotary_dim)))
+    a, b = src[..., pairs[0]], src[..., pairs[1]]
     if out is None:             # no buffer to fill: the same products, joined (no allocation a compiler must trace)
-        if rope.interleaved:
-            a, b = src[..., 0:rotary_dim:2], src[..., 1:rotary_dim:2]
-        else:
-            a, b = src[..., :half], src[..., half:rotary_dim]
         ra, rb = torch.addcmul(a * cos, b, sin, value=sign), torch.addcmul(b * cos, a, sin, value=-sign)
         rot = torch.stack((ra, rb), dim=-1).flatten(-2) if rope.interleaved else torch.cat((ra, rb), dim=-1)
         joined = torch.cat((rot, src[..., rotary_dim:]), dim=-1) if rotary_dim < x.shape[-1] else rot
         return joined if x.dtype == work else joined.to(x.dtype)
-    if rope.interleaved:
-        a, b, out_a, out_b = (src[..., 0:rotary_dim:2], src[..., 1:rotary_dim:2], out[..., 0:rotary_dim:2],
-                              out[..., 1:rotary_dim:2])
-    else:
-        a, b, out_a, out_b = src[..., :half], src[..., half:rotary_dim], out[..., :half], out[..., half:rotary_dim]
+    out_a, out_b = out[..., pairs[0]], out[..., pairs[1]]
     torch.mul(a, cos, out=out_a)
     out_a.addcmul_(b, sin, value=sign)                                                     # a cos -+ b sin
     torch.mul(b, cos, out=out_b)
