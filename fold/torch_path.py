@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 
 import torch
@@ -176,9 +177,7 @@ def _scratch(shape, dtype, device):
     page-faults on its first write at every call (the window's 8 MiB: 1 ms of a 32K read's 9, measured)."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    size = 1
-    for n in shape:
-        size *= n
+    size = math.prod(shape)
     held = getattr(_SCRATCH, "buffer", None)
     if held is None or held.dtype != dtype or held.numel() < size:
         with torch.inference_mode(False):           # a normal tensor: writable in and out of inference mode
