@@ -174,12 +174,13 @@ def _build(c):
         dense=dense, starts=starts, ends=ends, order=order, n_new=n_new, rotary_dim=rotary_dim)
 
 
-def _where(args, truth, b, index):
-    """(cache row, column) of sequence b's cache index ``index`` (a tensor of indices)."""
+def _where(args, order, page, b, index):
+    """(cache row, column) of sequence b's cache index ``index`` (a tensor of indices): through the block
+    table in pages of ``page`` entries, else in row ``order[b]``."""
     table = args.get("block_table")
     if table is not None:
-        return table[b].long()[index // truth["page"]], index % truth["page"]
-    return truth["order"][b].expand_as(index), index
+        return table[b].long()[index // page], index % page
+    return order[b].expand_as(index), index
 
 
 def _fingerprint(cache):
@@ -212,7 +213,6 @@ def _plain_attention(q, keys, values, *, causal, window, upcast):
 
 def run_case(c, backend):
     q, k_cache, v_cache, k, v, args, truth = _build(c)
-    truth["page"] = c["page"]
     before = (_fingerprint(k_cache), _fingerprint(v_cache))
     out, lse = fold.attention_with_kvcache(q, k_cache, v_cache, k, v, **args, return_lse=True, backend=backend)
     rope, rotary_dim, n_new = args["rope"], truth["rotary_dim"], truth["n_new"]
@@ -224,7 +224,7 @@ def run_case(c, backend):
         keys, values = truth["dense"][b]
         if n_new:                                            # the new rows, where and as they must be written
             index = torch.arange(end, end + n_new)
-            row, col = _where(args, truth, b, index)
+            row, col = _where(args, truth["order"], k_cache.shape[1], b, index)
             written[row, col] = True
             new_k = k[b]
             if rotary_dim:

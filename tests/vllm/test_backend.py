@@ -7,13 +7,13 @@ import itertools
 import pytest
 import torch
 
+from fold.rope import rotate
 from fold.vllm import compat
 from fold.vllm.backend import FAR_POSITION, FoldMetadataBuilder, cache_pages
 from fold.vllm.config import ServeRead
 from reference import fold_attention_ref
 from reference.tolerance import check_close
 from tests.helpers import HostReads
-from fold.rope import rotate
 from tests.vllm.backend_fixtures import (BLOCKS, D, HKV, HQ, PAGE, ROPE, empty_cache, fake_layer, make_batch,
                                          make_impl, positions_of, slots_of, write_all)
 
