@@ -32,7 +32,7 @@ from fold.masked import masked_attention, soft_cap
 from fold.merge import merge_pair
 from fold.rope import rotate, rotate_with, work_dtype
 
-CHUNK_BYTES = 32 << 20  # keys prepared per step (float32), read while still in L3 (8,192 entries at 8 x 128)
+CHUNK_BYTES = 4 << 20   # keys prepared per step (float32), read back while still in cache (1,024 entries at 8 x 128)
 MERGE_STATES = 64       # chunk states kept before they are merged (each [Hkv, M, d])
 MATH_CHUNK = 4096       # entries per step where no fused kernel returns the LSE (non-CPU devices)
 
