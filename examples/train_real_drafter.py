@@ -171,55 +171,85 @@ def drafter_config(target_config, taps: list[int], args) -> dict:
 
 
 class CachedFeatures:
-    """Every cached shard in memory: ids [N, T], features [N, T, k*H] bf16, greedy [N, T], copy [N, T];
-    ``ranges[i]``: the rows ``(start, end)`` of ``caches[i]``."""
+    """Every cached shard in memory, one group of tensors per sequence length: ids [N, T], features
+    [N, T, k*H] bf16, greedy [N, T], copy [N, T] (``ids`` etc. name the only group's when every cache has
+    one length); ``ranges[i]``: the global rows ``(start, end)`` of ``caches[i]``, ``seq_lens[i]`` its
+    length."""
 
     def __init__(self, caches: list[Path], tap_index: list[int], hidden: int):
         per_cache = [existing_shards(cache) for cache in caches]
-        shards = [p for paths in per_cache for p in paths]
-        if not shards:
+        if not any(per_cache):
             raise SystemExit(f"{caches} hold no feature shards; run the extract stage first")
         # filled shard by shard into tensors allocated once: peak memory is the pool plus one shard
         # (concatenating loaded shards needed twice the pool, 10+ GB for 100 shards)
-        shapes = []                                     # [rows, seq_len, width] of each shard's features
-        for p in shards:
-            with safe_open(str(p), "pt") as f:
-                shapes.append(f.get_slice("features").get_shape())
-        sizes = [rows for rows, _, _ in shapes]
-        n, (_, seq_len, width) = sum(sizes), shapes[0]
-        self.ids = torch.empty(n, seq_len, dtype=torch.long)
-        self.features = torch.empty(n, seq_len, len(tap_index) * hidden, dtype=torch.bfloat16)
-        self.greedy = torch.empty(n, seq_len, dtype=torch.long)
-        self.copy = torch.empty(n, seq_len, dtype=torch.bool)
-        cols = torch.cat([torch.arange(i * hidden, (i + 1) * hidden) for i in tap_index])
-        row = 0
-        for p, size in zip(shards, sizes):
-            part = load_file(str(p))
-            rows = slice(row, row + size)
-            self.ids[rows], self.greedy[rows], self.copy[rows] = part["ids"], part["greedy"], part["copy"].bool()
-            self.features[rows] = part["features"] if len(cols) == width else part["features"][..., cols]
-            row += size
-        self.shards = len(shards)
-        self.ranges, start, k = [], 0, 0
+        shapes = []                                     # per cache: [rows, seq_len, width] of each shard's features
         for paths in per_cache:
-            end = start + sum(sizes[k:k + len(paths)])
-            self.ranges.append((start, end))
-            start, k = end, k + len(paths)
-        self.vocab = torch.cat([self.ids.flatten(), self.greedy.flatten()]).unique()   # every token the data hold
+            shapes.append([])
+            for p in paths:
+                with safe_open(str(p), "pt") as f:
+                    shapes[-1].append(f.get_slice("features").get_shape())
+        width = next(sh[0][2] for sh in shapes if sh)
+        self.seq_lens = [sh[0][1] if sh else None for sh in shapes]
+        rows_of = [sum(r for r, _, _ in sh) for sh in shapes]
+        lengths = sorted({t for t in self.seq_lens if t is not None})
+        self.groups = {}
+        for t in lengths:
+            n = sum(r for r, length in zip(rows_of, self.seq_lens) if length == t)
+            self.groups[t] = dict(ids=torch.empty(n, t, dtype=torch.long),
+                                  features=torch.empty(n, t, len(tap_index) * hidden, dtype=torch.bfloat16),
+                                  greedy=torch.empty(n, t, dtype=torch.long), copy=torch.empty(n, t, dtype=torch.bool))
+        cols = torch.cat([torch.arange(i * hidden, (i + 1) * hidden) for i in tap_index])
+        self.ranges, self._local, start = [], [], 0
+        filled = dict.fromkeys(lengths, 0)
+        for paths, sh, t in zip(per_cache, shapes, self.seq_lens):
+            self.ranges.append((start, start + sum(r for r, _, _ in sh)))
+            self._local.append(filled[t] if t is not None else 0)     # the cache's first row in its group
+            start = self.ranges[-1][1]
+            for p, (size, _, _) in zip(paths, sh):
+                part, group = load_file(str(p)), self.groups[t]
+                rows = slice(filled[t], filled[t] + size)
+                group["ids"][rows], group["greedy"][rows] = part["ids"], part["greedy"]
+                group["copy"][rows] = part["copy"].bool()
+                group["features"][rows] = part["features"] if len(cols) == width else part["features"][..., cols]
+                filled[t] += size
+        self.shards = sum(len(paths) for paths in per_cache)
+        self.rows = start
+        self.mixed = len(lengths) > 1
+        if not self.mixed:
+            self.ids, self.features, self.greedy, self.copy = (self.groups[lengths[0]][k]
+                                                               for k in ("ids", "features", "greedy", "copy"))
+        # every token the data hold
+        self.vocab = torch.cat([g[k].flatten() for g in self.groups.values() for k in ("ids", "greedy")]).unique()
 
     def cache_of(self, row: int) -> int:
         """The index of the cache that holds ``row``."""
         return next(i for i, (lo, hi) in enumerate(self.ranges) if lo <= row < hi)
 
+    def take(self, idx: list[int]) -> tuple[int, dict]:
+        """``(seq_len, {ids, features, greedy, copy})`` of the global rows ``idx``, all of one length."""
+        caches = [self.cache_of(r) for r in idx]
+        lengths = {self.seq_lens[c] for c in caches}
+        if len(lengths) != 1:
+            raise ValueError(f"rows {idx} hold sequences of lengths {sorted(lengths)}; a batch takes one length")
+        t = lengths.pop()
+        local = torch.tensor([r - self.ranges[c][0] + self._local[c] for r, c in zip(idx, caches)])
+        return t, {k: v[local] for k, v in self.groups[t].items()}
+
     def sample(self, rng: random.Random, n: int, weights: list[float] | None = None) -> list[int]:
         """``n`` row indices: distinct and uniform over every row (``weights`` None), or each from cache
-        ``i`` with probability ``weights[i] / sum(weights)``, uniform within it."""
+        ``i`` with probability ``weights[i] / sum(weights)``, uniform within it. Caches of several lengths:
+        the batch's cache is drawn once so (by ``weights``, or by size), its ``n`` rows uniformly within it."""
+        if weights is not None:
+            empty = [i for i, (w, (lo, hi)) in enumerate(zip(weights, self.ranges)) if w > 0 and lo == hi]
+            if len(weights) != len(self.ranges) or empty:
+                raise ValueError(f"weights {weights} must give one weight per cache ({len(self.ranges)}), and none "
+                                 f"to a cache without sequences (caches {empty})")
+        if self.mixed:
+            shares = weights if weights is not None else [hi - lo for lo, hi in self.ranges]
+            cache = rng.choices(range(len(self.ranges)), weights=shares)[0]
+            return [rng.randrange(*self.ranges[cache]) for _ in range(n)]
         if weights is None:
-            return rng.sample(range(len(self.ids)), n)
-        empty = [i for i, (w, (lo, hi)) in enumerate(zip(weights, self.ranges)) if w > 0 and lo == hi]
-        if len(weights) != len(self.ranges) or empty:
-            raise ValueError(f"weights {weights} must give one weight per cache ({len(self.ranges)}), and none "
-                             f"to a cache without sequences (caches {empty})")
+            return rng.sample(range(self.rows), n)
         return [rng.randrange(*self.ranges[c]) for c in rng.choices(range(len(self.ranges)), weights=weights, k=n)]
 
 
@@ -239,14 +269,16 @@ def batch_inputs(pool: CachedFeatures, rng: random.Random, args, device):
 
     idx = pool.sample(rng, args.batch, args.cache_weights)
     sources = [pool.cache_of(i) for i in idx]
-    ids, copy, greedy = pool.ids[idx], pool.copy[idx], pool.greedy[idx]
-    anchors = torch.tensor([choose_anchors(rng, copy[b], args) for b in range(args.batch)])
+    seq_len, rows = pool.take(idx)
+    ids, copy, greedy = rows["ids"], rows["copy"], rows["greedy"]
+    at = args if seq_len == args.seq_len else argparse.Namespace(**dict(vars(args), seq_len=seq_len))
+    anchors = torch.tensor([choose_anchors(rng, copy[b], at) for b in range(args.batch)])
     bs = args.block_size
     cols = (anchors[:, :, None] + torch.arange(bs - 1)).flatten(1)
     labels = greedy.gather(1, cols).view(args.batch, args.blocks, bs - 1)
     is_copy = copy.gather(1, cols + 1).view(args.batch, args.blocks, bs - 1)
-    positions = torch.arange(args.seq_len + bs)[None].repeat(args.batch, 1)
-    tensors = [t.to(device) for t in (ids, pool.features[idx].float(), anchors, labels, is_copy, positions)]
+    positions = torch.arange(seq_len + bs)[None].repeat(args.batch, 1)
+    tensors = [t.to(device) for t in (ids, rows["features"].float(), anchors, labels, is_copy, positions)]
     return tensors, sources
 
 
@@ -371,18 +403,18 @@ def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict
 
 
 def check_caches(args) -> tuple[list[dict], dict, list[int]]:
-    """The feature caches' meta records, checked to be training forms with the same taps and length;
-    returns them, the first, and the taps to train on (``--taps`` or the cache's)."""
+    """The feature caches' meta records, checked to be training forms with the same taps (lengths may differ:
+    a batch then takes one cache's, :meth:`CachedFeatures.sample`); returns them, the first, and the taps to
+    train on (``--taps`` or the cache's)."""
     metas = [json.loads((c / "meta.json").read_text()) for c in args.cache]
-    unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in forms.TRAINING_FORMS]
+    unformed = [str(c) for c, m in zip(args.cache, metas) if m.get("form") not in forms.CACHE_FORMS]
     if unformed:
         raise SystemExit(f"{unformed} were extracted before --form (their values may use the evaluation's words, "
                          "PLANT_WORDS); extract the training forms anew")
     meta = metas[0]
     for c, m in zip(args.cache[1:], metas[1:]):
-        if (m["taps"], m["seq_len"]) != (meta["taps"], meta["seq_len"]):
-            raise SystemExit(f"{c} holds taps {m['taps']} / length {m['seq_len']}, {args.cache[0]} "
-                             f"{meta['taps']} / {meta['seq_len']}: the caches must match")
+        if m["taps"] != meta["taps"]:
+            raise SystemExit(f"{c} holds taps {m['taps']}, {args.cache[0]} {meta['taps']}: the caches must match")
     taps = args.taps or meta["taps"]
     missing = [t for t in taps if t not in meta["taps"]]
     if missing:
@@ -394,7 +426,8 @@ def sitting_record(args, progress: dict, pool, metas: list[dict]) -> dict:
     """This sitting's entry in the training log: where it started, on what, from which caches."""
     return dict(start_step=progress["step"], device=str(args.device), threads=torch.get_num_threads(),
                    device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
-                   cached_sequences=len(pool.ids), cached_tokens=len(pool.ids) * args.seq_len,
+                   cached_sequences=pool.rows,
+                   cached_tokens=sum((hi - lo) * (t or 0) for (lo, hi), t in zip(pool.ranges, pool.seq_lens)),
                    caches=[dict(path=str(c), **{k: v for k, v in m.items() if k != "log"},
                                 extraction=m.get("log", []), sequences=hi - lo,
                                 weight=None if args.cache_weights is None else args.cache_weights[i])
@@ -412,7 +445,7 @@ def train(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     metas, meta, taps = check_caches(args)
-    args.seq_len = meta["seq_len"]
+    args.seq_len = min(m["seq_len"] for m in metas)           # the training length (caches may hold longer)
     target, tokenizer = real.load_target(args.target)
     target.to(args.device)
     for p in target.parameters():
@@ -437,7 +470,8 @@ def train(args) -> dict:
     t_load = time.perf_counter()
     pool = CachedFeatures(args.cache, [meta["taps"].index(t) for t in taps], target.config.hidden_size)
     print(f"drafter {log['params'] / 1e6:.2f}M parameters, block {args.block_size}, taps {taps}, "
-          f"{args.heads}/{args.kv_heads} heads; {len(pool.ids)} cached sequences of {args.seq_len} tokens "
+          f"{args.heads}/{args.kv_heads} heads; {pool.rows} cached sequences of "
+          f"{'/'.join(str(t) for t in sorted(pool.groups))} tokens "
           f"({pool.shards} shards, loaded in {time.perf_counter() - t_load:.0f} s); on {args.device}", flush=True)
     head_weight = target.get_output_embeddings().weight
     sitting = sitting_record(args, progress, pool, metas)
@@ -564,7 +598,7 @@ def retrieval_tau(target, drafter_dir: Path, tokenizer, code: str, args) -> dict
 def add_extract_args(sub) -> None:
     """The ``extract`` stage's arguments."""
     ex = sub.add_parser("extract", help="cache the target's features to disk (resumable)")
-    ex.add_argument("--form", choices=forms.TRAINING_FORMS, required=True, help="the training form cached")
+    ex.add_argument("--form", choices=forms.CACHE_FORMS, required=True, help="the training form cached")
     ex.add_argument("--cache", type=Path, default=None,
                     help="the cache folder (default: $FOLD_CACHE/real-features-FORM, ~/.cache/fold)")
     ex.add_argument("--target", type=Path, default=None, help="the converted target (default: fold.demo.real's cache)")

@@ -14,7 +14,11 @@ cells, each a value stored at least half the prompt back and asked for at the en
 plants one ``SECRET_... = "value"`` line in held-out code, **the drafter's training format** (its
 training data plant such lines, with other words); ``retrieval-email`` (a support e-mail thread
 asking for a tracking number) and ``retrieval-minutes`` (meeting minutes recalling a venue) are
-**held out**: forms and lexicons no training form contains (``fold.demo.prompts.HELD_OUT_FORMS``). The
+**held out**: forms and lexicons no training form contains (``fold.demo.prompts.HELD_OUT_FORMS``);
+``natural-mail``, ``natural-cpp`` and ``natural-dectest`` are natural text of the drafter's
+development forms (real e-mail messages, C++ headers, decimal test vectors; ``fold.demo.natural``),
+never trained on, cut where the text goes on by repeating a span found only at least a quarter of
+the prompt back, nothing planted. The
 pretrained target does not reproduce every stored value (on some prompts it goes on with the text),
 so a cell measures the first prompts whose value it retrieves, drawing up to 3 per prompt wanted, and
 reports how many it drew (answered/drawn).
@@ -220,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tasks", nargs="+", choices=experiment.REAL_TASKS, default=None,
                     help=f"default: {' '.join(experiment.TASKS)}; with --real {' '.join(experiment.REAL_TASKS)} "
                          "(retrieval: the real drafter's training format; " + ", ".join(experiment.HELD_OUT_TASKS)
-                         + ": forms held out from its training, --real only)")
+                         + ": forms held out from its training; " + ", ".join(experiment.NATURAL_TASKS)
+                         + ": natural text of its development forms, never trained on; both --real only)")
     ap.add_argument("--prompts", type=at_least(1), help="prompts per task and length (default: preset)")
     ap.add_argument("--new-tokens", type=at_least(1), help="tokens generated per code prompt (default: preset)")
     ap.add_argument("--repeats", type=at_least(1), help="timed runs of each row per prompt (default: preset)")
@@ -262,9 +267,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> int | None:
         ap.error("--every-prompt goes with --real (it turns off --real's choice of retrieval prompts)")
     if args.tasks is None:
         args.tasks = list(experiment.REAL_TASKS if args.real else experiment.TASKS)
-    held_out_asked = [t for t in args.tasks if t in experiment.HELD_OUT_TASKS]
+    held_out_asked = [t for t in args.tasks if t in experiment.HELD_OUT_TASKS + experiment.NATURAL_TASKS]
     if held_out_asked and not args.real:
-        ap.error(f"--tasks {' '.join(held_out_asked)} go with --real (the toy pair's retrieval is key-value documents)")
+        ap.error(f"--tasks {' '.join(held_out_asked)} go with --real (the real drafter's held-out and development "
+                 "forms; the toy pair's retrieval is key-value documents)")
     if args.window is None:
         args.window = experiment.REAL_WINDOW if args.real else 128
     if args.real:

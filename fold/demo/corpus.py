@@ -76,9 +76,14 @@ def split_corpus(root: Path | None = None, held_out=HELD_OUT) -> tuple[str, dict
 class TrainingSources(NamedTuple):
     """What the training forms are cut from: ``code``, held-in standard-library code (repository-style
     text, :func:`read_files`); ``prose``, paragraphs of held-in prose (:func:`prose_paragraphs` of that
-    code, the language reference topics of ``pydoc_data`` and the Python license)."""
+    code, the language reference topics of ``pydoc_data`` and the Python license); ``tests``, the
+    standard library's own test modules but those of the held-out packages and of the development
+    forms (:func:`training_tests`); ``docs``, the reference topics, IDLE's notes and the license as
+    whole texts (:func:`training_docs`)."""
     code: str
     prose: list[str]
+    tests: str = ""
+    docs: str = ""
 
 
 def _paragraphs(text: str, min_chars: int = 40) -> list[str]:
@@ -139,9 +144,51 @@ def reference_prose(root: Path | None = None) -> list[str]:
     return out
 
 
+# test modules never trained on: those of the held-out packages and of the real drafter's development forms
+# (e-mail messages, decimal test vectors: fold.demo.natural), and any that parse mail
+UNTRAINED_TESTS = ("asyncio", "email", "json", "xml", "minidom", "pulldom", "sax", "pyexpat", "expat", "decimal",
+                   "mail", "smtp", "imap", "pop", "mime", "nntp", "cppext")
+
+
+def training_tests(root: Path | None = None) -> str:
+    """The standard library's ``test`` modules (``test_*.py`` and the packages ``test_*/``), repository-style,
+    but those whose name holds a word of :data:`UNTRAINED_TESTS`; empty without a ``test`` package."""
+    root = root or stdlib_dir()
+    tests = root / "test"
+    if not tests.is_dir():
+        return ""
+    files = []
+    for entry in sorted(tests.iterdir()):
+        if not entry.name.startswith("test_") or any(w in entry.name for w in UNTRAINED_TESTS):
+            continue
+        if entry.is_dir():
+            files += sorted(f for f in entry.rglob("*.py") if "__pycache__" not in f.parts)
+        elif entry.suffix == ".py":
+            files.append(entry)
+    return read_files(files, root)
+
+
+def training_docs(root: Path | None = None) -> str:
+    """Whole texts of held-in documentation: the language reference topics (``pydoc_data/topics.py``, each
+    under a ``# topic:`` line), IDLE's notes (``idlelib/*.txt``) and the license; any may be absent."""
+    root = root or stdlib_dir()
+    parts = []
+    topics = root / "pydoc_data" / "topics.py"
+    if topics.is_file():
+        tree = ast.parse(topics.read_text(encoding="utf-8", errors="replace"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                parts += [f"# topic: {name}\n{text}\n" for name, text in ast.literal_eval(node.value).items()]
+    for f in sorted((root / "idlelib").glob("*.txt")) + [root / "LICENSE.txt"]:
+        if f.is_file():
+            parts.append(f"# file: {f.relative_to(root)}\n" + f.read_text(encoding="utf-8", errors="replace") + "\n")
+    return "".join(parts)
+
+
 def training_sources(root: Path | None = None, held_out=HELD_OUT) -> TrainingSources:
-    """The held-in code and prose of the standard library at ``root`` (the held-out packages are
-    never read into either)."""
+    """The held-in code, prose, tests and documentation of the standard library at ``root`` (the held-out
+    packages and the development forms' files are never read into any)."""
     code, _ = split_corpus(root, held_out)
-    return TrainingSources(code, prose_paragraphs(code) + reference_prose(root))
+    return TrainingSources(code, prose_paragraphs(code) + reference_prose(root), training_tests(root),
+                           training_docs(root))
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fold.demo import corpus
+from fold.demo import corpus, natural
 from fold.demo.prompts import HELD_OUT_FORMS, code_prompt, planted_retrieval_prompt, retrieval_prompt, retrieved
 
 POLICIES = ("dflash", "window", "fold", "streaming", "yarn", "rerope", "infllm", "cmr")
@@ -32,9 +32,12 @@ ROWS = POLICIES + (BUDGET_ROW, ANCHOR_ROW)
 FAR_BUDGET, FAR_PAGE = 1024, 64
 TASKS = ("code", "retrieval")
 HELD_OUT_TASKS = tuple(f"retrieval-{form}" for form in HELD_OUT_FORMS)     # --real only
-REAL_TASKS = TASKS + HELD_OUT_TASKS
+NATURAL_TASKS = tuple(f"natural-{form}" for form in natural.DEV_FORMS)     # --real only: the development forms
+REAL_TASKS = TASKS + HELD_OUT_TASKS + NATURAL_TASKS
 SCOPES = {"retrieval": "in the drafter's training format (planted SECRET line)",
-          **{t: "held out from the drafter's training (form and lexicon)" for t in HELD_OUT_TASKS}}
+          **{t: "held out from the drafter's training (form and lexicon)" for t in HELD_OUT_TASKS},
+          **{t: f"a development form, never trained on ({natural.DEV_SOURCES[t.removeprefix('natural-')]}): "
+                "cut where the text repeats a span found only >= 1/4 of the prompt back" for t in NATURAL_TASKS}}
 RETRIEVAL_DRAWS = 3                   # real retrieval: up to this many prompts drawn per one the target answers
 REAL_WINDOW = 256                     # half the real drafter's 512-token training length
 SHIFT_FACTORS = (0, 1, 4, 16, 64)     # the block moved by these multiples of the drafter's training length
@@ -107,8 +110,14 @@ def prompts_for(task: str, length: int, count: int, seed: int, held_ids, tokeniz
     stored value: ``retrieval``, key-value documents, or with ``held_text`` ({package: source text}) held-out
     code with one planted ``SECRET_... = "value"`` line (:func:`fold.demo.prompts.planted_retrieval_prompt`);
     ``retrieval-<form>``, a held-out form of :data:`fold.demo.prompts.HELD_OUT_FORMS` whose filler is the prose
-    of ``held_text``. ``answers``: each retrieval prompt's stored value as token ids (None for code)."""
+    of ``held_text``; ``natural-<form>``, a development form of :data:`fold.demo.natural.DEV_FORMS` cut at far
+    repeats at least ``length // 4`` tokens back (:func:`fold.demo.natural.far_repeat_prompts`), the answer
+    how the repeat goes on. ``answers``: each retrieval prompt's stored value as token ids (None for code)."""
     rng = random.Random(f"{task}-{length}-{seed}")
+    if task in NATURAL_TASKS:
+        ids = natural.dev_ids(task.removeprefix("natural-"), tokenizer)
+        pairs = natural.far_repeat_prompts(rng, ids, length, count, length // 4)
+        return torch.tensor([p for p, _ in pairs]), max(new_tokens, natural.ANSWER), [a for _, a in pairs]
     if task == "code":
         newlines = [i for t, i in tokenizer.get_vocab().items() if t.startswith("Ċ")]        # byte-level "\n..."
         ids = torch.tensor([code_prompt(held_ids, rng, length, newlines) for _ in range(count)])
@@ -297,7 +306,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
     warmed = False
     for task in tasks:
         for length in lengths:
-            answered = task != "code" and held_text is not None and not every_prompt
+            answered = task != "code" and (held_text is not None or task in NATURAL_TASKS) and not every_prompt
             ids, n_new, answers = prompts_for(task, length, prompts * (RETRIEVAL_DRAWS if answered else 1), seed,
                                               held_ids, tokenizer, new_tokens, held_text)
             shared = spec_decode.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
@@ -314,7 +323,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
             for rec in recs:
                 if answered:
                     rec.update(prompts_drawn=tried, prompts_answered=len(cell[0].taus))
-                if held_text is not None and task in SCOPES:
+                if (held_text is not None or task in NATURAL_TASKS) and task in SCOPES:
                     rec["scope"] = SCOPES[task]
             records += recs
             for rec in recs:

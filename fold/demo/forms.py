@@ -2,7 +2,8 @@
 
 Each form (:data:`TRAINING_FORMS`) is a document in which later text copies earlier text by content,
 as users' prompts do: recurring code, restated prose, chat answers from a document, config values,
-random ids, planted lines. Values drawn from a lexicon come from the training lexicons
+random ids, planted lines; and the natural forms (:data:`NATURAL_FORMS`), windows of held-in code, test
+modules and documentation as they are, chosen for repeats far apart (nothing planted). Values drawn from a lexicon come from the training lexicons
 (:data:`TRAIN_WORDS`, :data:`TRAIN_NAMES`); the evaluation's values (the planted-line cell's
 ``PLANT_WORDS``, the held-out forms' names, places and tracking numbers, :mod:`fold.demo.prompts`)
 come from lexicons and formats that no training form uses (tests/demo/test_demo_forms.py checks both).
@@ -35,7 +36,12 @@ TRAIN_NAMES = ("Alice", "Bruno", "Chen", "Dmitri", "Elena", "Farah", "Gustav", "
                "Liam", "Mei", "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wanda",
                "Xavier", "Yara", "Zeno")
 BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-TRAINING_FORMS = ("code", "prose", "chat", "config", "strings", "planted")
+TRAINING_FORMS = ("code", "prose", "chat", "config", "strings", "planted")     # documents (training_document)
+NATURAL_FORMS = ("natural-code", "natural-tests", "natural-docs")                 # natural text (natural_sample)
+CACHE_FORMS = TRAINING_FORMS + NATURAL_FORMS                                     # what a feature cache may hold
+NATURAL_MIN_DISTANCE = 1024     # a natural form's window is chosen for its repeats at least this far back
+NATURAL_SPAN = 8                # ... of at least this many tokens
+NATURAL_CANDIDATES = 4          # windows drawn per sample, the one with the most far repeats kept
 
 
 def _base62(rng: random.Random, lo: int, hi: int) -> str:
@@ -308,9 +314,45 @@ def training_document(rng: random.Random, form: str, sources: TrainingSources, n
     raise ValueError(f"unknown training form {form!r}; expected one of {TRAINING_FORMS}")
 
 
+def natural_text(form: str, sources: TrainingSources) -> str:
+    """The text a natural form (:data:`NATURAL_FORMS`) is cut from: held-in code, tests or documentation."""
+    text = {"natural-code": sources.code, "natural-tests": sources.tests, "natural-docs": sources.docs}[form]
+    if not text:
+        raise ValueError(f"form {form!r}: its source text is empty (the standard library lacks it here)")
+    return text
+
+
+def natural_sample(rng: random.Random, tokenizer, text: str, length: int, min_distance: int = NATURAL_MIN_DISTANCE,
+                   span: int = NATURAL_SPAN, candidates: int = NATURAL_CANDIDATES) -> list[int]:
+    """``length`` consecutive tokens of ``text`` from a line start, nothing changed: of ``candidates`` windows
+    drawn, the one in which most spans of ``span`` tokens repeat one at least ``min(min_distance, length // 2)``
+    tokens back (:func:`fold.demo.natural.repeat_starts`), so the natural text's own repeats are far apart."""
+    from fold.demo.natural import repeat_starts
+
+    distance = min(min_distance, length // 2)
+    best, best_score = None, -1
+    for _ in range(candidates):
+        n_chars = 5 * length
+        while True:
+            start = text.find("\n", rng.randrange(0, max(1, len(text) - n_chars))) + 1
+            ids = encode(tokenizer, text[start:start + n_chars])
+            if len(ids) >= length or n_chars >= len(text):
+                break
+            n_chars *= 2
+        if len(ids) < length:
+            raise ValueError(f"the text holds fewer than {length} tokens")
+        ids = ids[:length]
+        score = sum(c - s >= distance for c, s in repeat_starts(ids, span))
+        if score > best_score:
+            best, best_score = ids, score
+    return best
+
+
 def form_sample(rng: random.Random, tokenizer, form: str, sources: TrainingSources, length: int) -> list[int]:
     """The first ``length`` tokens of a document of one training form (``"chat"`` rendered with the
-    tokenizer's chat template)."""
+    tokenizer's chat template; a natural form, :func:`natural_sample` of its text)."""
+    if form in NATURAL_FORMS:
+        return natural_sample(rng, tokenizer, natural_text(form, sources), length)
     render = None
     if form == "chat":
         if not getattr(tokenizer, "chat_template", None):

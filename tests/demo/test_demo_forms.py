@@ -281,15 +281,47 @@ def test_extract_caches_one_form_per_folder_resumably(fake_real_target, stdlib, 
     assert train_real_drafter.parse_args(["extract", "--form", "chat"]).cache == tmp_path / "home" / "real-features-chat"
 
 
-def _fake_cache(path, rows_per_shard, token):
+def _fake_cache(path, rows_per_shard, token, length=16):
     from safetensors.torch import save_file
 
     path.mkdir()
     for i, rows in enumerate(rows_per_shard):
-        save_file(dict(ids=torch.full((rows, 16), token, dtype=torch.int32), features=torch.zeros(rows, 16, 4).bfloat16(),
-                       greedy=torch.full((rows, 16), token, dtype=torch.int32), copy=torch.zeros(rows, 16, dtype=torch.uint8)),
+        save_file(dict(ids=torch.full((rows, length), token, dtype=torch.int32),
+                       features=torch.full((rows, length, 4), float(token)).bfloat16(),
+                       greedy=torch.full((rows, length), token, dtype=torch.int32),
+                       copy=torch.zeros(rows, length, dtype=torch.uint8)),
                   str(path / f"shard_{i:05d}.safetensors"))
     return path
+
+
+def test_caches_of_several_lengths_give_batches_of_one_length(tmp_path):
+    """Natural forms are cached longer than the documents: a batch draws its cache once (by weight), takes
+    that cache's rows at their length, and its anchors and positions follow that length."""
+    import argparse
+
+    from examples import train_real_drafter
+
+    caches = [_fake_cache(tmp_path / "a", [3], 1, 16), _fake_cache(tmp_path / "b", [2, 2], 2, 64),
+              _fake_cache(tmp_path / "c", [2], 3, 16)]
+    pool = train_real_drafter.CachedFeatures(caches, [0], hidden=4)
+    assert pool.mixed and pool.ranges == [(0, 3), (3, 7), (7, 9)] and pool.seq_lens == [16, 64, 16]
+    assert sorted(pool.groups) == [16, 64] and pool.groups[16]["ids"].shape == (5, 16)
+    length, rows = pool.take([7, 0, 8])
+    assert length == 16 and rows["ids"][:, 0].tolist() == [3, 1, 3] and rows["features"][:, 0, 0].tolist() == [3, 1, 3]
+    with pytest.raises(ValueError, match=r"lengths \[16, 64\]; a batch takes one length"):
+        pool.take([0, 3])
+    rng = random.Random(0)
+    drawn = [pool.sample(rng, 4, [1, 2, 1]) for _ in range(3000)]
+    assert all(len({pool.cache_of(r) for r in rows}) == 1 for rows in drawn)
+    share = sum(pool.cache_of(rows[0]) == 1 for rows in drawn) / len(drawn)
+    assert abs(share - 0.5) < 0.04, share
+    assert {pool.cache_of(r) for rows in drawn for r in rows} == {0, 1, 2}
+    args = argparse.Namespace(batch=2, cache_weights=[0, 1, 0], seq_len=16, block_size=4, blocks=3, min_context=2,
+                              copy_anchors=0.0)
+    (ids, features, anchors, labels, is_copy, positions), sources = train_real_drafter.batch_inputs(
+        pool, rng, args, torch.device("cpu"))
+    assert ids.shape == (2, 64) and features.shape == (2, 64, 4) and positions.shape == (2, 68)
+    assert sources == [1, 1] and anchors.max() > 16 - 4 and args.seq_len == 16
 
 
 def test_cache_weights_choose_each_row_s_cache(tmp_path):
@@ -405,7 +437,7 @@ def test_held_out_tasks_need_the_held_out_text_and_the_real_pair(tokenizer, caps
     with pytest.raises(ValueError, match="unknown task 'retrieval-poems'"):
         experiment.prompts_for("retrieval-poems", 2000, 1, 0, {}, tokenizer, 8, {})
     assert set(experiment.HELD_OUT_TASKS) == {f"retrieval-{form}" for form in prompts.HELD_OUT_FORMS} \
-        == set(experiment.SCOPES) - {"retrieval"}
+        == set(experiment.SCOPES) - {"retrieval", *experiment.NATURAL_TASKS}
     monkeypatch.setattr(experiment, "load_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
     with pytest.raises(SystemExit) as info:
         cli.main(["--tasks", "code", "retrieval-minutes", "--out", str(tmp_path), "--no-progress"])
