@@ -126,18 +126,26 @@ def prose_paragraphs(code: str) -> list[str]:
     return out
 
 
+def reference_topics(root: Path | None = None) -> dict[str, str]:
+    """{topic: text} of the language reference topics (``pydoc_data/topics.py``) of the standard library at
+    ``root``; empty when absent."""
+    topics = (root or stdlib_dir()) / "pydoc_data" / "topics.py"
+    if not topics.is_file():
+        return {}
+    out = {}
+    for node in ast.parse(topics.read_text(encoding="utf-8", errors="replace")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            out.update(ast.literal_eval(node.value))
+    return out
+
+
 def reference_prose(root: Path | None = None) -> list[str]:
     """Paragraphs of the language reference topics (``pydoc_data/topics.py``) and ``LICENSE.txt`` of
     the standard library at ``root``; either may be absent."""
     root = root or stdlib_dir()
     out = []
-    topics = root / "pydoc_data" / "topics.py"
-    if topics.is_file():
-        tree = ast.parse(topics.read_text(encoding="utf-8", errors="replace"))
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-                for text in ast.literal_eval(node.value).values():
-                    out += _paragraphs(text)
+    for text in reference_topics(root).values():
+        out += _paragraphs(text)
     license_file = root / "LICENSE.txt"
     if license_file.is_file():
         out += _paragraphs(license_file.read_text(encoding="utf-8", errors="replace"))
@@ -172,17 +180,9 @@ def training_docs(root: Path | None = None) -> str:
     """Whole texts of held-in documentation: the language reference topics (``pydoc_data/topics.py``, each
     under a ``# topic:`` line), IDLE's notes (``idlelib/*.txt``) and the license; any may be absent."""
     root = root or stdlib_dir()
-    parts = []
-    topics = root / "pydoc_data" / "topics.py"
-    if topics.is_file():
-        tree = ast.parse(topics.read_text(encoding="utf-8", errors="replace"))
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-                parts += [f"# topic: {name}\n{text}\n" for name, text in ast.literal_eval(node.value).items()]
-    for f in sorted((root / "idlelib").glob("*.txt")) + [root / "LICENSE.txt"]:
-        if f.is_file():
-            parts.append(f"# file: {f.relative_to(root)}\n" + f.read_text(encoding="utf-8", errors="replace") + "\n")
-    return "".join(parts)
+    topics = "".join(f"# topic: {name}\n{text}\n" for name, text in reference_topics(root).items())
+    notes = [f for f in sorted((root / "idlelib").glob("*.txt")) + [root / "LICENSE.txt"] if f.is_file()]
+    return topics + read_files(notes, root)
 
 
 def training_sources(root: Path | None = None, held_out=HELD_OUT) -> TrainingSources:
