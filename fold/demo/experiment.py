@@ -15,6 +15,7 @@ directly. In order of use:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import statistics
@@ -172,8 +173,14 @@ class Row:
     def __init__(self, name: str, run):
         self.name, self.run = name, run
         self.taus: list[float] = []
+        self.prompts: list[str] = []                 # a digest of each measured prompt's token ids
         self.tpots: list[list[float]] = []           # per prompt, one TPOT per repeat
         self.lossless = True
+
+
+def prompt_digest(prompt: torch.Tensor) -> str:
+    """A short name of a prompt's token ids (``[1, n]``), so two runs can be paired prompt by prompt."""
+    return hashlib.sha1(prompt.reshape(-1).to(torch.int64).numpy().tobytes()).hexdigest()[:12]
 
 
 def _tpot(result) -> float:
@@ -213,6 +220,7 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
         reference = None
         for row in rows:
             row.tpots.append([])
+            row.prompts.append(prompt_digest(prompt))
         for rep in range(repeats):
             for row in rows:
                 res = first if (rep == 0 and row is rows[0] and first is not None) else row.run(prompt, n_new)
@@ -243,7 +251,8 @@ def cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
         rec = dict(task=task, length=length, policy=row.name, tau=tau, tau_ci=tau_ci, speedup=speedup,
                    speedup_ci=speedup_ci, lossless=row.lossless, n_prompts=len(row.taus),
                    repeats=len(row.tpots[0]), tpot_ms=round(statistics.mean(tpot) * 1e3, 3),
-                   taus=[round(t, 4) for t in row.taus], tpot_ms_per_prompt=[round(t * 1e3, 3) for t in tpot])
+                   taus=[round(t, 4) for t in row.taus], tpot_ms_per_prompt=[round(t * 1e3, 3) for t in tpot],
+                   prompts=list(row.prompts))
         if window is not None and row.name not in ("AR", "window"):
             rec["tau_minus_window"], rec["tau_minus_window_ci"] = _ci(
                 [a - b for a, b in zip(row.taus, window.taus)])
