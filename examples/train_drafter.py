@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
+import fold
 import fold.demo  # noqa: F401  (registers the fold_toy target)
 from fold import spec_decode
 from fold.demo import corpus, documents, prompts, tokens
@@ -98,13 +99,15 @@ def _rope(x, pos, inv_freq):
     return x * cos.to(x.dtype) + torch.cat([-x[..., half:], x[..., :half]], -1) * sin.to(x.dtype)
 
 
-def block_logits(drafter: Drafter, features, ids, anchors, positions, head=None):
+def block_logits(drafter: Drafter, features, ids, anchors, positions, head=None, fold_read=None):
     """The parallel training forward.
 
     features [B, T, k*H] target taps; ids [B, T]; anchors [B, K] (block k covers a_k .. a_k + bs - 1
     and reads context entries < a_k); positions [B, T + bs] (the position of every entry, also past T)
     -> logits [B, K, bs - 1, vocab] of the drafting slots. ``head`` (default ``drafter.head``) maps the
     final normed hidden states to logits (a training script may score a part of the vocabulary).
+    ``fold_read`` None reads every entry at its position (the plain read); ``(W, alpha)`` reads as
+    ``fold.attention(window=W, alpha=alpha)`` does at inference (:func:`fold_block_attention`).
     """
     cfg = drafter.cfg
     bsz, n_ctx = ids.shape
@@ -120,20 +123,53 @@ def block_logits(drafter: Drafter, features, ids, anchors, positions, head=None)
     blk_ok = (q_blk[:, None] == q_blk[None, :]).expand(bsz, -1, -1)
     allowed = torch.cat([ctx_ok, blk_ok], dim=2)[:, None]                       # [B, 1, K*bs, T + K*bs]
     ctx_pos = positions[:, :n_ctx]
+    if fold_read is not None:                    # context entries D = W + bs or more before a row are far
+        window, alpha = fold_read
+        far = ctx_ok & (slot_pos[:, :, None] - ctx_pos[:, None, :] >= window + bs)          # [B, K*bs, T]
+        allowed = torch.cat([ctx_ok & ~far, blk_ok], dim=2)[:, None]
+        far_pos = (window + bs + torch.arange(bs, device=ids.device)).repeat(n_blk)[None].expand(bsz, -1)
     for layer in drafter.layers:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         k_ctx, v_ctx = attn.kv(c)                                               # [B, T, Hkv, d]
         k_blk, v_blk = attn.kv(x)
-        q = _rope(attn.q(x), slot_pos, inv_freq)
+        q_pre = attn.q(x)
+        q = _rope(q_pre, slot_pos, inv_freq)
         k = torch.cat([_rope(k_ctx, ctx_pos, inv_freq), _rope(k_blk, slot_pos, inv_freq)], 1)
         v = torch.cat([v_ctx, v_blk], 1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=allowed, enable_gqa=True)  # [B, Hq, K*bs, d]
+        if fold_read is None:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=allowed, enable_gqa=True)  # [B, Hq, K*bs, d]
+        else:
+            o = fold_block_attention(q, k, v, _rope(q_pre, far_pos, inv_freq),
+                                     _rope(k_ctx, torch.zeros_like(ctx_pos), inv_freq), allowed[:, 0], far, alpha)
         h = h + attn.o_proj(o.transpose(1, 2).flatten(2))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     logits = (head or drafter.head)(drafter.norm(h)).view(bsz, n_blk, bs, -1)
     return logits[:, :, 1:]
+
+
+def fold_block_attention(q, k, v, q_far, k_far, near, far, alpha: float):
+    """FOLD's read of many blocks at once, differentiable: the window branch (``q``, ``k`` rotated at their
+    positions; ``near`` [B, Q, T + Q] what each row reads there) and the far branch (``q_far`` rotated at
+    ``D + r``, ``k_far`` [B, T, Hkv, d] the context keys at the shared position; ``far`` [B, Q, T]),
+    normalized apart and merged by their masses ``(Z_N o_N + Z_F o_F) / (Z_N + Z_F)`` with
+    ``log Z_F = LSE(alpha * far logits) / alpha``. That is one softmax over the window's logits and the
+    far logits ``alpha * s - (1 - 1/alpha) * LSE(alpha * s)``, which is how it is computed.
+    q, q_far [B, Q, Hq, d]; k, v [B, T + Q, Hkv, d] -> [B, Hq, Q, d] (as SDPA's output)."""
+    group = q.shape[2] // k.shape[2]
+    n_ctx = k_far.shape[1]
+    scale = q.shape[-1] ** -0.5
+    keys, values = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s_near = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale                   # [B, Hq, Q, T + Q]
+    s_near = s_near.masked_fill(~near[:, None], float("-inf"))
+    s_far = torch.einsum("bqhd,bkhd->bhqk", q_far, k_far.repeat_interleave(group, 2)) * (scale * alpha)
+    s_far = s_far.masked_fill(~far[:, None], float("-inf"))                      # [B, Hq, Q, T]
+    has_far = far[:, None].any(-1, keepdim=True)
+    lse = torch.logsumexp(s_far.masked_fill(~has_far, 0.0), -1, keepdim=True)
+    s_far = s_far - (1 - 1 / alpha) * lse
+    logits = torch.cat([torch.where(far[:, None], s_far, s_near[..., :n_ctx]), s_near[..., n_ctx:]], -1)
+    return torch.softmax(logits, -1) @ values.transpose(1, 2)
 
 
 def sample_positions(rng: random.Random, batch: int, length: int, anchor_offset: bool, sinks: int, max_offset: int):
@@ -423,19 +459,23 @@ def check_loaded(path, target, tokenizer, rng, code, args) -> float:
 
 
 @torch.no_grad()
-def slot_logits_both_ways(drafter: Drafter, target, ids) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_logits_both_ways(drafter: Drafter, target, ids, fold_read=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot logits ``[bs - 1, vocab]`` of the block anchored at ``len(ids) - bs - 1``, by the inference
-    path (context appended to the drafter's cache, the plain read) and by :func:`block_logits`, in the
-    drafter's dtype."""
-    n, bs = ids.shape[1], drafter.cfg.block_size
+    path (context appended to the drafter's cache, the plain read or with ``fold_read`` ``(W, alpha)``
+    ``fold.attention``'s) and by :func:`block_logits` (the same ``fold_read``), in the drafter's dtype."""
+    n, bs, rope = ids.shape[1], drafter.cfg.block_size, drafter.cfg.rope
     features = drafter.features(target(ids, output_hidden_states=True).hidden_states)
     a = n - bs - 1
     state = drafter.new_state(n, ids.device, drafter.fc.weight.dtype)
     drafter.append_context(state, features[:, :a])
-    inference = drafter.slot_logits(state, int(ids[0, a]),
-                                    lambda q, k, v, layer: plain_read(q, k, v, drafter.cfg.rope, "torch"))
+    if fold_read is None:
+        read = lambda q, k, v, layer: plain_read(q, k, v, rope, "torch")        # noqa: E731
+    else:
+        read = lambda q, k, v, layer: fold.attention(q, k, v, window=fold_read[0], rope=rope,  # noqa: E731
+                                                     alpha=fold_read[1], backend="torch")
+    inference = drafter.slot_logits(state, int(ids[0, a]), read)
     training = block_logits(drafter, features, ids, torch.tensor([[a]], device=ids.device),
-                            torch.arange(n + bs, device=ids.device)[None])
+                            torch.arange(n + bs, device=ids.device)[None], fold_read=fold_read)
     return inference, training[0, 0]
 
 

@@ -46,7 +46,9 @@ are the target's greedy tokens.
 The drafter differs from the toy's (``examples/train_drafter.py``, whose training forward
 :func:`train_drafter.block_logits` it reuses) in its geometry: the target's 9 query / 3 KV heads of
 64 by default, and the MASK token from ``--mask-token-id`` (49151, the vocabulary's last entry,
-since a Llama config has no ``mask_token_id``). ``--device cuda`` runs the same code on a GPU.
+since a Llama config has no ``mask_token_id``). ``--fold-window W`` trains through FOLD's read (the
+context W + block size or more before a slot read at the shared position, ``--fold-alpha``), the read
+``fold-demo --real`` measures FOLD with (W = 256, alpha = 2). ``--device cuda`` runs the same code on a GPU.
 """
 
 from __future__ import annotations
@@ -515,7 +517,8 @@ def run_steps(args, drafter, opt, params, pool, progress: dict, rng, log: dict, 
         (ids, features, anchors, labels, is_copy, positions), sources = batch_inputs(pool, rng, args, args.device)
         rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
         table = head_weight[rows]
-        logits = block_logits(drafter, features, ids, anchors, positions, head=lambda x: F.linear(x, table))
+        logits = block_logits(drafter, features, ids, anchors, positions, head=lambda x: F.linear(x, table),
+                              fold_read=None if args.fold_window is None else (args.fold_window, args.fold_alpha))
         loss = weighted_step(logits, labels, weights * (1 + args.copy_weight * is_copy.float()), opt, params)
         progress["step"] = step = step + 1
         with torch.no_grad():
@@ -660,6 +663,11 @@ def add_train_args(sub) -> None:
     tr.add_argument("--decay", type=positive(float), default=0.9, help="loss weight decay per slot")
     tr.add_argument("--copy-weight", type=float, default=2.0, help="extra loss weight of a slot whose answer is a copy")
     tr.add_argument("--copy-anchors", type=float, default=0.5, help="share of blocks starting before a copy")
+    tr.add_argument("--fold-window", type=positive(int), default=None,
+                    help="train through FOLD's read: context entries W + block size or more before a slot are "
+                         "read as the far memory at the shared position, as fold.attention(window=W) reads "
+                         "them at inference (default: every entry at its true position)")
+    tr.add_argument("--fold-alpha", type=float, default=2.0, help="with --fold-window: the far branch's alpha")
     tr.add_argument("--eval-prompts", type=int, default=4, help="retrieval prompts for tau at the training length")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="cpu")
@@ -676,6 +684,8 @@ def check_train_args(ap: argparse.ArgumentParser, args) -> None:
     room = 512 - args.block_size - args.min_context + 1
     if room < args.blocks:
         ap.error(f"--blocks {args.blocks} do not fit in a 512-token sequence")
+    if not 1.0 <= args.fold_alpha < math.inf:
+        ap.error(f"--fold-alpha must be a float >= 1, got {args.fold_alpha}")
     if args.cache_weights is not None:
         w = args.cache_weights
         if len(w) != len(args.cache) or not all(0 <= x < math.inf for x in w) or not sum(w) > 0:

@@ -211,6 +211,59 @@ def test_train_drafter_smoke(tiny_stdlib, tiny_tokenizer, tmp_path, anchor_offse
     check_close("inference path vs training forward", inference, truth, training, torch.float32)
 
 
+def _tiny_drafter(tmp_path, target, block_size=4):
+    from fold.spec_decode.drafter import Drafter
+    from fold.spec_decode.loading import read_config
+
+    args = train_drafter.parse_args(["--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
+                                     "--heads", "4", "--taps", "1", "--block-size", str(block_size)])
+    args.out.mkdir(exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(train_drafter.drafter_config(target.config, args)))
+    torch.manual_seed(1)
+    drafter = Drafter(read_config(args.out, target.config))
+    drafter.bind(target)
+    return drafter
+
+
+@pytest.mark.parametrize("window, alpha", [(4, 2.0), (9, 1.0), (17, 3.5)])
+def test_training_through_folds_read_is_the_loops_fold_read(tmp_path, window, alpha):
+    """block_logits(fold_read=(W, alpha)) equals the drafter's inference path reading its cache with
+    fold.attention(window=W, alpha=alpha): compared in float64, within twice the float32 training
+    forward's error (reference.tolerance); the plain read gives other logits, so far entries count."""
+    target = _tiny_target(tmp_path / "target")
+    drafter = _tiny_drafter(tmp_path, target)
+    target64, drafter64 = copy.deepcopy(target).double(), copy.deepcopy(drafter).double()
+    drafter64.bind(target64)
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(window))
+    inference, truth = train_drafter.slot_logits_both_ways(drafter64, target64, ids, fold_read=(window, alpha))
+    _, training = train_drafter.slot_logits_both_ways(drafter, target, ids, fold_read=(window, alpha))
+    assert truth.dtype == torch.float64 and training.dtype == torch.float32
+    check_close("fold inference vs fold training forward", inference, truth, training, torch.float32)
+    _, plain = train_drafter.slot_logits_both_ways(drafter64, target64, ids)
+    assert (plain - truth).abs().max() > 1e-3
+
+
+def test_folds_training_read_with_nothing_far_is_the_plain_read_and_has_finite_gradients(tmp_path):
+    """Blocks whose context lies inside the window read as the plain read; a batch mixing such blocks
+    with blocks that have far entries back-propagates without a NaN."""
+    target = _tiny_target(tmp_path / "target")
+    target = target.double()
+    drafter = _tiny_drafter(tmp_path, target).double()
+    ids = torch.randint(0, 256, (2, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        feats = drafter.features(target(ids, output_hidden_states=True).hidden_states)
+    anchors, positions = torch.tensor([[3, 10, 40, 55], [5, 20, 30, 50]]), torch.arange(64)[None].repeat(2, 1)
+    plain = train_drafter.block_logits(drafter, feats, ids, anchors, positions)
+    wide = train_drafter.block_logits(drafter, feats, ids, anchors, positions, fold_read=(56, 2.0))
+    torch.testing.assert_close(wide, plain)
+    folded = train_drafter.block_logits(drafter, feats, ids, anchors, positions, fold_read=(8, 2.0))
+    torch.testing.assert_close(folded[:, :1], plain[:, :1])    # anchors 3 and 5: nothing 8 + 4 or more back
+    assert (folded[:, 2:] - plain[:, 2:]).abs().max() > 1e-3
+    folded.logsumexp(-1).sum().backward()
+    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
 def test_copy_circuit_copies_at_init(tiny_stdlib, tmp_path):
     """The closed-form copy circuit, before any training: on a sequence that repeats its first half,
     the first drafted slot names the token that followed the earlier occurrence."""

@@ -183,3 +183,19 @@ def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path
     torch_rng = torch.frombuffer(bytearray(base64.b64decode(saved["torch_rng"])), dtype=torch.uint8)
     assert torch.equal(torch_rng, exact["torch_rng"])
     assert (state / "steps.jsonl").read_text() == (tmp_path / "a" / "steps.jsonl").read_text()
+
+
+def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise(tiny_run, tmp_path, capsys):
+    """``--fold-window W``: the same batches (the RNGs end where the plain run's end), other weights (the
+    read is FOLD's, tested against fold.attention in test_demo_training); a bad ``--fold-alpha`` is refused."""
+    run_in_process(argv(tiny_run, tmp_path / "plain", 10, "--sitting-steps", "3"))
+    run_in_process(argv(tiny_run, tmp_path / "fold", 10, "--sitting-steps", "3", "--fold-window", "4"))
+    plain, folded = checkpoint(tmp_path / "plain"), checkpoint(tmp_path / "fold")
+    assert plain["step"] == folded["step"] == 3
+    assert plain["rng"] == folded["rng"] and torch.equal(plain["torch_rng"], folded["torch_rng"])
+    assert any(not torch.equal(plain["model"][k], folded["model"][k]) for k in plain["model"])
+    args = json.loads((tmp_path / "fold" / "train_log.json").read_text())["sittings"][-1]["args"]
+    assert args["fold_window"] == "4" and args["fold_alpha"] == "2.0"
+    with pytest.raises(SystemExit):
+        train_real_drafter.main(argv(tiny_run, tmp_path / "bad", 10, "--fold-window", "4", "--fold-alpha", "0.5"))
+    assert "--fold-alpha must be a float >= 1, got 0.5" in capsys.readouterr().err
