@@ -1,8 +1,12 @@
-"""Two ``fold-demo`` runs compared prompt by prompt (``python -m tools.compare_runs A B``).
+"""Two drafters' ``fold-demo`` rows compared prompt by prompt.
 
-``A`` and ``B`` are ``fold-demo --out`` folders (or their ``results.json``) of the same command with
-two drafters (``--drafter``): the prompts are chosen by the target alone, so both runs measure the
-same prompts, and each record names them (``prompts``: a digest of each prompt's token ids). For every
+    python -m tools.compare_runs A B              # two runs of the same command, two --drafter
+    python -m tools.compare_runs OUT --versus B   # one run with --versus DIR/B: its rows POLICY@B against POLICY
+
+``A`` and ``B`` are ``fold-demo --out`` folders (or their ``results.json``): the prompts are chosen by the
+target alone, so both runs measure the same prompts, and each record names them (``prompts``: a digest
+of each prompt's token ids). ``fold-demo --real --versus DIR`` runs another drafter's rows in the same
+run, on the same prompts and prefills (each prompt's prefill, the costly part, once). For every
 task, length and policy both runs hold, this prints τ of each, the paired difference B − A of τ
 with its 95% bootstrap CI over prompts, and the same of τ − Window (what the policy adds over the
 window read, B's minus A's). Per task it also gives the mean over its lengths (prompts resampled
@@ -29,6 +33,18 @@ def load(path: str | Path) -> list[dict]:
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise ValueError(f"{path} is not a fold-demo results.json (a list of records)")
     return records
+
+
+def split_versus(records: list[dict], name: str) -> tuple[list[dict], list[dict]]:
+    """A run with another drafter's rows (``fold-demo --versus``): the first drafter's records, and
+    drafter ``name``'s (its rows ``POLICY@name``) named as the first's."""
+    suffix = "@" + name
+    mine = [r for r in records if "@" not in r["policy"]]
+    theirs = [dict(r, policy=r["policy"][:-len(suffix)]) for r in records if r["policy"].endswith(suffix)]
+    if not theirs:
+        found = sorted({r["policy"].partition("@")[2] for r in records if "@" in r["policy"]})
+        raise ValueError(f"the run holds no rows of drafter {name!r} (POLICY@{name}); it holds {found or 'none'}")
+    return mine, theirs
 
 
 def _cells(records: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
@@ -112,16 +128,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.compare_runs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", help="the baseline run: a fold-demo --out folder or its results.json")
-    parser.add_argument("b", help="the run compared with it, of the same command")
+    parser.add_argument("b", nargs="?", help="the run compared with it, of the same command")
+    parser.add_argument("--versus", metavar="NAME", help="instead of B: A's rows POLICY@NAME (fold-demo --versus)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if (args.b is None) == (args.versus is None):
+        parser.error("give either a second run B or --versus NAME")
     try:
-        rows = compare(load(args.a), load(args.b))
+        records_a, records_b = ((load(args.a), load(args.b)) if args.b is not None
+                                else split_versus(load(args.a), args.versus))
+        rows = compare(records_a, records_b)
     except ValueError as err:
         parser.error(str(err))
     if not rows:
         parser.error("the two runs share no cell (task, length and policy)")
-    print(f"A = {args.a}\nB = {args.b}\n" + format_rows(rows))
+    b = args.b if args.b is not None else f"{args.a}, the rows of drafter {args.versus}"
+    print(f"A = {args.a}\nB = {b}\n" + format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -215,6 +215,10 @@ def parser() -> argparse.ArgumentParser:
                          "training format and in two held-out forms (--quick: 2 lengths, 3 rows, 1 prompt per cell)")
     ap.add_argument("--drafter", type=Path, default=None,
                     help="with --real: a drafter directory other than the shipped fold/demo/artifacts/real_drafter")
+    ap.add_argument("--versus", type=Path, nargs="+", default=None,
+                    help="with --real: also run the drafter rows with each of these drafter directories, on the "
+                         "same prompts and prefills (rows POLICY@DIRNAME; compare them with python -m "
+                         "tools.compare_runs OUT --versus DIRNAME)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default: fold-demo-out, or fold-demo-out-real with --real)")
     ap.add_argument("--lengths", type=at_least(256), nargs="+",
@@ -263,6 +267,15 @@ def check_args(ap: argparse.ArgumentParser, args) -> int | None:
         ap.error("--artifacts names a toy pair; with --real use --drafter")
     if args.drafter is not None and not args.real:
         ap.error("--drafter goes with --real (a toy pair is chosen with --artifacts)")
+    if args.versus is not None:
+        if not args.real:
+            ap.error("--versus goes with --real (other drafters of the real target)")
+        names = [d.name for d in args.versus]
+        if len(set(names)) != len(names) or any(not n or "@" in n for n in names):
+            ap.error(f"--versus: each directory needs its own name without '@' (its rows are POLICY@NAME), got {names}")
+        for d in args.versus:
+            if not (d / "config.json").is_file():
+                ap.error(f"--versus: no drafter at {d} (a directory with config.json and model.safetensors)")
     if args.every_prompt and not args.real:
         ap.error("--every-prompt goes with --real (it turns off --real's choice of retrieval prompts)")
     if args.tasks is None:
@@ -341,7 +354,12 @@ def measure(ap: argparse.ArgumentParser, args) -> tuple[list[dict], dict]:
             ap.error(f"--far-budget / --far-page: {exc}")
     held_text = corpus.held_out_code()
     held_ids = {name: tokens.encode(tokenizer, text) for name, text in held_text.items()}
-    total = len(args.tasks) * len(lengths) * prompts * repeats * (len(rows) + 1) \
+    versus = None
+    if args.real and args.versus:
+        from fold import spec_decode
+
+        versus = {d.name: spec_decode.load_drafter(d, target) for d in args.versus}
+    total = len(args.tasks) * len(lengths) * prompts * repeats * (len(rows) * (1 + len(versus or {})) + 1) \
         + ((1 if anchor is None else 2) * len(experiment.SHIFT_FACTORS) if args.shift else 0)
     bar = None
     if not args.no_progress:
@@ -354,7 +372,7 @@ def measure(ap: argparse.ArgumentParser, args) -> tuple[list[dict], dict]:
         prompts=prompts, new_tokens=new_tokens, repeats=repeats, window=args.window, alpha=args.alpha, seed=args.seed,
         train_len=train_len, bar=bar, log=log, last_logits_only=args.real,
         held_text=held_text if args.real else None, draft_cutoff=args.draft_cutoff, every_prompt=args.every_prompt,
-        far_budget=args.far_budget, far_page=args.far_page, far_rank=args.far_rank)
+        far_budget=args.far_budget, far_page=args.far_page, far_rank=args.far_rank, versus=versus)
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += experiment.run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,

@@ -238,13 +238,16 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
 
 def cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
     """One record per row of a measured cell (``rows``: AR first, then the policies, each run on the same
-    prompts): τ, τ − Window and τ − FOLD paired with 95% bootstrap CIs, the speedup over AR."""
+    prompts): τ, τ − Window and τ − FOLD paired with 95% bootstrap CIs, the speedup over AR. A row
+    ``POLICY@NAME`` (another drafter's, :func:`make_rows`'s ``versus``) is paired with ``window@NAME``
+    and ``fold@NAME``."""
     ar = next(r for r in rows if r.name == "AR")
     ar_tpot = [statistics.median(t) for t in ar.tpots]
-    window = next((r for r in rows if r.name == "window"), None)
-    full_fold = next((r for r in rows if r.name == "fold"), None)
+    by_name = {r.name: r for r in rows}
     records = []
     for row in rows:
+        base, at, label = row.name.partition("@")
+        window, full_fold = by_name.get("window" + at + label), by_name.get("fold" + at + label)
         tpot = [statistics.median(t) for t in row.tpots]
         tau, tau_ci = _ci(row.taus)
         speedup, speedup_ci = _ci([a / b for a, b in zip(ar_tpot, tpot)])
@@ -253,10 +256,10 @@ def cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
                    repeats=len(row.tpots[0]), tpot_ms=round(statistics.mean(tpot) * 1e3, 3),
                    taus=[round(t, 4) for t in row.taus], tpot_ms_per_prompt=[round(t * 1e3, 3) for t in tpot],
                    prompts=list(row.prompts))
-        if window is not None and row.name not in ("AR", "window"):
+        if window is not None and base not in ("AR", "window"):
             rec["tau_minus_window"], rec["tau_minus_window_ci"] = _ci(
                 [a - b for a, b in zip(row.taus, window.taus)])
-        if full_fold is not None and row.name == BUDGET_ROW:         # what the budget costs FOLD, paired
+        if full_fold is not None and base == BUDGET_ROW:             # what the budget costs FOLD, paired
             rec["tau_minus_fold"], rec["tau_minus_fold_ci"] = _ci([a - b for a, b in zip(row.taus, full_fold.taus)])
         records.append(rec)
     return records
@@ -264,29 +267,36 @@ def cell_records(task: str, length: int, rows: list[Row]) -> list[dict]:
 
 def make_rows(target, drafter, anchor, names, window: int, alpha: float, train_len: int,
               draft_cutoff: float = 0.0, prefill=None, far_budget: int = FAR_BUDGET,
-              far_page: int = FAR_PAGE, far_rank: str = "bound", policies: dict | None = None) -> list[Row]:
+              far_page: int = FAR_PAGE, far_rank: str = "bound", policies: dict | None = None,
+              versus: dict | None = None) -> list[Row]:
     """AR, then one row per policy name (``draft_cutoff``: :func:`fold.spec_decode.generate`'s, every drafter
     row; ``prefill``: a :class:`fold.spec_decode.Prefills` the rows share, so each prompt is run once;
     ``far_budget``, ``far_page``, ``far_rank``: the ``fold-budget`` row's; ``policies``: {row name: a
     ``policy(request) -> Read``} run for that row instead of its own read, the hook through which a
-    script watches or replaces a row's read, :class:`fold.spec_decode.Read`)."""
+    script watches or replaces a row's read, :class:`fold.spec_decode.Read`; ``versus``: {name: another
+    drafter}, whose rows ``POLICY@name`` follow, every policy but the anchor-offset row, on the same
+    prompts and prefills)."""
     from fold import spec_decode
 
     def ar(prompt, n_new):
         return spec_decode.autoregressive(target, prompt, max_new_tokens=n_new, prefill=prefill)
 
     rows = [Row("AR", ar)]
-    for name in names:
-        model, policy = (anchor, "dflash") if name == ANCHOR_ROW else (drafter, "fold" if name == BUDGET_ROW else name)
-        opts = ({} if name == ANCHOR_ROW
-                else policy_options(name, window, alpha, train_len, far_budget, far_page, far_rank))
-        if policies and name in policies:
-            policy, opts = policies[name], {}
+    for suffix, model_of_rows in [("", drafter)] + [(f"@{label}", other) for label, other in (versus or {}).items()]:
+        for name in names:
+            if suffix and name == ANCHOR_ROW:
+                continue
+            model, policy = ((anchor, "dflash") if name == ANCHOR_ROW
+                             else (model_of_rows, "fold" if name == BUDGET_ROW else name))
+            opts = ({} if name == ANCHOR_ROW
+                    else policy_options(name, window, alpha, train_len, far_budget, far_page, far_rank))
+            if policies and name in policies:
+                policy, opts = policies[name], {}
 
-        def run(prompt, n_new, model=model, policy=policy, opts=opts):
-            return spec_decode.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
-                                 draft_cutoff=draft_cutoff, prefill=prefill, **opts)
-        rows.append(Row(name, run))
+            def run(prompt, n_new, model=model, policy=policy, opts=opts):
+                return spec_decode.generate(target, model, prompt, max_new_tokens=n_new, policy=policy,
+                                            draft_cutoff=draft_cutoff, prefill=prefill, **opts)
+            rows.append(Row(name + suffix, run))
     return rows
 
 
@@ -300,12 +310,12 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
                    held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False,
                    far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE, far_rank: str = "bound",
-                   policies: dict | None = None) -> list[dict]:
+                   policies: dict | None = None, versus: dict | None = None) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.corpus.held_out_code`; ``held_text``: see
     :func:`prompts_for` (the real pair's: its retrieval cells keep the first ``prompts`` prompts whose
     value the target retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn, and their records carry
     ``prompts_drawn``, ``prompts_answered`` and ``scope``, :data:`SCOPES`; ``every_prompt``: the first
-    ``prompts`` drawn, retrieved or not); ``policies``: :func:`make_rows`'s.
+    ``prompts`` drawn, retrieved or not); ``policies``, ``versus``: :func:`make_rows`'s.
     Every row of a cell runs the same prompts and TPOT excludes the prefill, so each prompt is run
     once (:class:`fold.spec_decode.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
     are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
@@ -320,7 +330,7 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                                               held_ids, tokenizer, new_tokens, held_text)
             shared = spec_decode.Prefills(target, keep=1 if last_logits_only else None, last_logits_only=last_logits_only)
             cell = make_rows(target, drafter, anchor, rows, window, alpha, train_len, draft_cutoff, shared,
-                             far_budget, far_page, far_rank, policies)
+                             far_budget, far_page, far_rank, policies, versus)
             if not warmed:
                 warm_up(cell, ids)
                 warmed = True

@@ -85,3 +85,36 @@ def test_a_measured_cell_names_its_prompts():
     assert rows[0].prompts == rows[1].prompts == digests and digests[0] != digests[1]
     assert experiment.cell_records("code", 3, rows)[1]["prompts"] == digests
     assert experiment.prompt_digest(ids[:1].clone()) == digests[0]
+
+
+def test_another_drafters_rows_in_the_same_run_are_paired_with_its_own_window():
+    """make_rows(versus=...) adds rows POLICY@NAME after the first drafter's (no anchor-offset row);
+    cell_records pairs fold@NAME with window@NAME; split_versus takes them apart for compare."""
+    rows = experiment.make_rows("target", "first", "anchor", ["window", "fold", experiment.ANCHOR_ROW], 64, 2.0,
+                                256, versus={"b": "second"})
+    assert [r.name for r in rows] == ["AR", "window", "fold", experiment.ANCHOR_ROW, "window@b", "fold@b"]
+    taus = {"AR": [1.0] * 3, "window": [1.0, 2.0, 1.5], "fold": [1.5, 2.0, 1.5],
+            "window@b": [1.0, 1.5, 1.5], "fold@b": [2.5, 2.0, 3.0]}
+    recs = {r["policy"]: r for r in records(taus)}
+    assert recs["fold@b"]["tau_minus_window"] == round((1.5 + 0.5 + 1.5) / 3, 4)       # against window@b
+    assert recs["fold"]["tau_minus_window"] == round((0.5 + 0 + 0) / 3, 4)
+    mine, theirs = compare_runs.split_versus(list(recs.values()), "b")
+    assert {r["policy"] for r in mine} == {"AR", "window", "fold"} and {r["policy"] for r in theirs} == {"window", "fold"}
+    fold4 = next(r for r in compare_runs.compare(mine, theirs) if r["policy"] == "fold" and r["length"] == 4096)
+    assert fold4["delta_tau"] == round((1.0 + 0.0 + 1.5) / 3, 4)
+    assert fold4["delta_minus_window"] == round((1.0 + 0.5 + 1.5) / 3, 4)
+    with pytest.raises(ValueError, match=r"no rows of drafter 'c' \(POLICY@c\); it holds \['b'\]"):
+        compare_runs.split_versus(list(recs.values()), "c")
+
+
+def test_the_command_compares_a_run_with_its_versus_rows(tmp_path, capsys):
+    recs = records({"AR": [1] * 3, "window": [1.0] * 3, "fold": [1.0, 1.0, 2.0], "window@b": [1.0] * 3,
+                    "fold@b": [2.0] * 3})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps(recs))
+    compare_runs.main([str(tmp_path / "run"), "--versus", "b"])
+    assert "+0.67" in capsys.readouterr().out
+    for bad in ([str(tmp_path / "run")], [str(tmp_path / "run"), str(tmp_path / "run"), "--versus", "b"]):
+        with pytest.raises(SystemExit):
+            compare_runs.main(bad)
+        assert "give either a second run B or --versus NAME" in capsys.readouterr().err

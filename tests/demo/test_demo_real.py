@@ -66,6 +66,9 @@ def test_missing_package_is_a_clear_message(monkeypatch, tmp_path):
     (["--drafter", "x"], "--drafter goes with --real"),
     (["--every-prompt"], "--every-prompt goes with --real"),
     (["--real", "--drafter", "/nonexistent/drafter"], "no drafter at /nonexistent/drafter"),
+    (["--versus", "x"], "--versus goes with --real"),
+    (["--real", "--versus", "/nonexistent/a"], "--versus: no drafter at /nonexistent/a"),
+    (["--real", "--versus", "/x/a", "/y/a"], "--versus: each directory needs its own name without '@'"),
 ])
 def test_real_demo_rejects_bad_options_before_any_work(args, words, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(experiment, "load_real_pair", lambda *a: pytest.fail("the pair must not load for bad options"))
@@ -136,3 +139,32 @@ def test_random_drafter_of_the_real_geometry_is_lossless(real_target_and_random_
         for policy, options in (("fold", dict(window=32, alpha=2.0)), ("dflash", {}), ("window", dict(window=32))):
             res = spec_decode.generate(target, drafter, ids, max_new_tokens=4, policy=policy, **options)
             assert torch.equal(res.sequences, ar.sequences), policy
+
+
+def test_versus_drafters_load_against_the_target_and_reach_the_comparison(monkeypatch, tmp_path):
+    """``--versus A B``: each directory loads with the target and runs as rows named by its directory."""
+    from fold import spec_decode
+
+    dirs = []
+    for name in ("state-a", "state-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        dirs.append(tmp_path / name)
+    monkeypatch.setattr(real, "is_converted", lambda folder: True)
+    monkeypatch.setattr(experiment, "load_real_pair", lambda *a: ("target", "shipped", None, "tok"))
+    monkeypatch.setattr(experiment, "training_length", lambda *a, **k: 512)
+    monkeypatch.setattr(spec_decode, "load_drafter", lambda path, target: f"{path.name} on {target}")
+    monkeypatch.setattr(cli.tokens, "encode", lambda tokenizer, text: [])
+    seen = {}
+
+    def comparison(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(7)
+
+    monkeypatch.setattr(experiment, "run_comparison", comparison)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--real", "--versus", *map(str, dirs), "--rows", "window", "fold", "--tasks", "natural-mail",
+                  "--lengths", "4096",
+                  "--out", str(tmp_path / "o"), "--no-progress"])
+    assert info.value.code == 7
+    assert seen["versus"] == {"state-a": "state-a on target", "state-b": "state-b on target"}
