@@ -373,7 +373,8 @@ def measure(ap: argparse.ArgumentParser, args) -> tuple[list[dict], dict]:
         prompts=prompts, new_tokens=new_tokens, repeats=repeats, window=args.window, alpha=args.alpha, seed=args.seed,
         train_len=train_len, bar=bar, log=log, last_logits_only=args.real,
         held_text=held_text if args.real else None, draft_cutoff=args.draft_cutoff, every_prompt=args.every_prompt,
-        far_budget=args.far_budget, far_page=args.far_page, far_rank=args.far_rank, versus=versus)
+        far_budget=args.far_budget, far_page=args.far_page, far_rank=args.far_rank, versus=versus,
+        on_cell=lambda done: save_results(done, args.out))
     table = save_results(records, args.out)                          # kept if the diagnostic fails
     if args.shift:
         records += experiment.run_shift(target, drafter, anchor, tokenizer, held_ids=held_ids, prompts=prompts,

@@ -310,12 +310,13 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                    repeats, window, alpha, seed, train_len, bar=None, log=print, last_logits_only=False,
                    held_text=None, draft_cutoff: float = 0.0, every_prompt: bool = False,
                    far_budget: int = FAR_BUDGET, far_page: int = FAR_PAGE, far_rank: str = "bound",
-                   policies: dict | None = None, versus: dict | None = None) -> list[dict]:
+                   policies: dict | None = None, versus: dict | None = None, on_cell=None) -> list[dict]:
     """``held_ids``: {package: token ids} of :func:`fold.demo.corpus.held_out_code`; ``held_text``: see
     :func:`prompts_for` (the real pair's: its retrieval cells keep the first ``prompts`` prompts whose
     value the target retrieves, of up to ``RETRIEVAL_DRAWS`` times as many drawn, and their records carry
     ``prompts_drawn``, ``prompts_answered`` and ``scope``, :data:`SCOPES`; ``every_prompt``: the first
-    ``prompts`` drawn, retrieved or not); ``policies``, ``versus``: :func:`make_rows`'s.
+    ``prompts`` drawn, retrieved or not); ``policies``, ``versus``: :func:`make_rows`'s; ``on_cell``: called
+with the records so far after each cell (a long run saves as it goes).
     Every row of a cell runs the same prompts and TPOT excludes the prefill, so each prompt is run
     once (:class:`fold.spec_decode.Prefills`); ``last_logits_only`` (a real target: a 7K prompt's full logits
     are 1.4 GB and the loop reads the last row) keeps one prompt at a time."""
@@ -345,6 +346,8 @@ def run_comparison(target, drafter, anchor, tokenizer, *, held_ids, tasks, lengt
                 if (held_text is not None or task in NATURAL_TASKS) and task in SCOPES:
                     rec["scope"] = SCOPES[task]
             records += recs
+            if on_cell is not None:
+                on_cell(records)
             for rec in recs:
                 if not rec["lossless"]:
                     log(f"NOT LOSSLESS: {task} {length} {rec['policy']} differs from AR")

@@ -411,9 +411,12 @@ def test_real_retrieval_cells_keep_the_answered_prompts_of_each_form(tokenizer, 
 
     monkeypatch.setattr(experiment, "make_rows",
                         lambda *a, **k: [experiment.Row("AR", run), experiment.Row("fold", run)])
+    saved = []                                            # on_cell: the records so far, after each cell
     records = experiment.run_comparison("target", "drafter", None, tokenizer, held_ids=held_ids, tasks=tasks,
                                         lengths=[length], rows=["fold"], prompts=wanted, new_tokens=8, repeats=1,
-                                        window=64, alpha=2.0, seed=0, train_len=64, held_text=held_text)
+                                        window=64, alpha=2.0, seed=0, train_len=64, held_text=held_text,
+                                        on_cell=lambda done: saved.append(list(done)))
+    assert [len(s) for s in saved] == [2 * (i + 1) for i in range(len(tasks))] and saved[-1] == records
     for task in tasks:
         recs = [r for r in records if r["task"] == task]
         assert [r["policy"] for r in recs] == ["AR", "fold"] and all(r["n_prompts"] == wanted for r in recs)
