@@ -485,7 +485,10 @@ def train(args) -> dict:
     drafter.train()
 
     def save():
-        sitting.update(end_step=progress["step"], seconds=round(time.perf_counter() - t0, 1))
+        # how often this sitting drew each cached sequence on average: well above a few, the drafter
+        # learns the cached sequences rather than copying
+        sitting.update(end_step=progress["step"], seconds=round(time.perf_counter() - t0, 1),
+                       draws_per_sequence=round((progress["step"] - sitting["start_step"]) * args.batch / pool.rows, 3))
         kept = dict(progress, schedule=asdict(progress["schedule"]))
         save_checkpoint(ckpt_path, drafter, opt, kept, rng, log)
         if args.state is not None:

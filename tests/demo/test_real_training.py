@@ -194,8 +194,9 @@ def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise
     assert plain["step"] == folded["step"] == 3
     assert plain["rng"] == folded["rng"] and torch.equal(plain["torch_rng"], folded["torch_rng"])
     assert any(not torch.equal(plain["model"][k], folded["model"][k]) for k in plain["model"])
-    args = json.loads((tmp_path / "fold" / "train_log.json").read_text())["sittings"][-1]["args"]
-    assert args["fold_window"] == "4" and args["fold_alpha"] == "2.0"
+    sitting = json.loads((tmp_path / "fold" / "train_log.json").read_text())["sittings"][-1]
+    assert sitting["args"]["fold_window"] == "4" and sitting["args"]["fold_alpha"] == "2.0"
+    assert sitting["draws_per_sequence"] == round(3 * 2 / 16, 3)           # 3 steps of 2 rows over 16 sequences
     with pytest.raises(SystemExit):
         train_real_drafter.main(argv(tiny_run, tmp_path / "bad", 10, "--fold-window", "4", "--fold-alpha", "0.5"))
     assert "--fold-alpha must be a float >= 1, got 0.5" in capsys.readouterr().err
