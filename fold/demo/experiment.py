@@ -217,10 +217,10 @@ def measure_cell(rows: list[Row], ids: torch.Tensor, n_new: int, repeats: int, b
                     bar.update(1)
                 continue
         kept += 1
-        reference = None
+        reference, digest = None, prompt_digest(prompt)
         for row in rows:
             row.tpots.append([])
-            row.prompts.append(prompt_digest(prompt))
+            row.prompts.append(digest)
         for rep in range(repeats):
             for row in rows:
                 res = first if (rep == 0 and row is rows[0] and first is not None) else row.run(prompt, n_new)
