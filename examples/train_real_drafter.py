@@ -48,7 +48,9 @@ The drafter differs from the toy's (``examples/train_drafter.py``, whose trainin
 64 by default, and the MASK token from ``--mask-token-id`` (49151, the vocabulary's last entry,
 since a Llama config has no ``mask_token_id``). ``--fold-window W`` trains through FOLD's read (the
 context W + block size or more before a slot read at the shared position, ``--fold-alpha``), the read
-``fold-demo --real`` measures FOLD with (W = 256, alpha = 2). ``--device cuda`` runs the same code on a GPU.
+``fold-demo --real`` measures FOLD with (W = 256, alpha = 2). ``--init-layers 28 29`` starts a fresh
+drafter from the target's own upper layers (:func:`init_from_target`). ``--device cuda`` runs the same
+code on a GPU.
 """
 
 from __future__ import annotations
@@ -364,6 +366,42 @@ def copy_accuracy(logits, labels, is_copy, sources, forms: list[str], counts: di
         tally[1] += int(is_copy[b].sum())
 
 
+def init_from_target(drafter, target, layer_ids: list[int], taps: list[int]) -> None:
+    """Start drafter layer ``i`` as a copy of the target's decoder layer ``layer_ids[i]`` (attention,
+    MLP, both norms; the drafter's q/k norms stay at one, the target has none), and the context path
+    so that layer 0 reads what the target's layer ``layer_ids[0]`` reads: ``fc`` passes the tap
+    ``layer_ids[0] - 1`` (that layer's input) through unchanged and drops the other taps, and
+    ``hidden_norm`` takes that layer's input norm. A trial of whether the target's content-addressed
+    heads make copying faster to learn (issue 45). Raises ``ValueError`` on a geometry mismatch."""
+    layers = target.model.layers
+    if len(layer_ids) != len(drafter.layers):
+        raise ValueError(f"--init-layers takes one target layer per drafter layer ({len(drafter.layers)}), "
+                         f"got {layer_ids}")
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"--init-layers {bad} out of range: the target has layers 0..{len(layers) - 1}")
+    names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "input_layernorm.weight", "post_attention_layernorm.weight"]
+    with torch.no_grad():
+        for mine, i in zip(drafter.layers, layer_ids):
+            theirs = dict(layers[i].named_parameters())
+            for name in names:
+                dst = mine.get_parameter(name)
+                if dst.shape != theirs[name].shape:
+                    raise ValueError(f"--init-layers: the drafter's {name} is {tuple(dst.shape)}, target layer "
+                                     f"{i}'s is {tuple(theirs[name].shape)}; give the target's geometry "
+                                     "(--heads/--kv-heads/--head-dim/--intermediate)")
+                dst.copy_(theirs[name])
+        tap = layer_ids[0] - 1
+        if tap in taps:
+            h = drafter.fc.weight.shape[0]
+            drafter.fc.weight.zero_()
+            slot = taps.index(tap)
+            drafter.fc.weight[:, slot * h:(slot + 1) * h] = torch.eye(h)
+            drafter.hidden_norm.weight.copy_(layers[layer_ids[0]].input_layernorm.weight)
+
+
 def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict, dict]:
     """``(progress, log)`` where this sitting starts: ``OUT/checkpoint.pt`` (exact: moments and RNGs),
     else ``--state`` (the committed state: bf16 weights, RNGs, schedule; new moments), else
@@ -396,6 +434,8 @@ def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict
         drafter.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02) if isinstance(m, torch.nn.Linear) else None)
         with torch.no_grad():                      # start the output norm as the target's final norm
             drafter.norm.weight.copy_(target.model.norm.weight)
+        if args.init_layers is not None:
+            init_from_target(drafter, target, args.init_layers, list(drafter.cfg.target_layer_ids))
         log = dict(target=real.TARGET_NAME, params=sum(p.numel() for p in params), steps=[], sittings=[])
         progress = dict(step=0, schedule=Schedule.from_args(args, 0), rewarm=None)
     if args.new_schedule:
@@ -671,6 +711,9 @@ def add_train_args(sub) -> None:
                          "read as the far memory at the shared position, as fold.attention(window=W) reads "
                          "them at inference (default: every entry at its true position)")
     tr.add_argument("--fold-alpha", type=float, default=2.0, help="with --fold-window: the far branch's alpha")
+    tr.add_argument("--init-layers", type=int, nargs="+", default=None,
+                    help="a fresh run only: start drafter layer i as the target's decoder layer INIT_LAYERS[i] "
+                         "(e.g. 28 29), the context path passing that first layer's input tap through")
     tr.add_argument("--eval-prompts", type=int, default=4, help="retrieval prompts for tau at the training length")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="cpu")
@@ -689,6 +732,9 @@ def check_train_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--blocks {args.blocks} do not fit in a 512-token sequence")
     if not 1.0 <= args.fold_alpha < math.inf:
         ap.error(f"--fold-alpha must be a float >= 1, got {args.fold_alpha}")
+    if args.init_layers is not None and (args.resume_from is not None or len(args.init_layers) != args.layers):
+        ap.error(f"--init-layers starts a fresh run with one target layer per drafter layer ({args.layers}), "
+                 f"got {args.init_layers}" + (" with --resume-from" if args.resume_from is not None else ""))
     if args.cache_weights is not None:
         w = args.cache_weights
         if len(w) != len(args.cache) or not all(0 <= x < math.inf for x in w) or not sum(w) > 0:

@@ -200,3 +200,44 @@ def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise
     with pytest.raises(SystemExit):
         train_real_drafter.main(argv(tiny_run, tmp_path / "bad", 10, "--fold-window", "4", "--fold-alpha", "0.5"))
     assert "--fold-alpha must be a float >= 1, got 0.5" in capsys.readouterr().err
+
+
+def test_init_layers_copies_the_targets_layers_and_the_context_path(tiny_run, tmp_path, capsys):
+    """``--init-layers``: drafter layer i starts as target layer ids[i]; the context the drafter's layers
+    read is exactly what that first target layer reads (its input norm of the tap below it); bad
+    geometry, ids out of range, a count that is not the drafter's layers or --resume-from are refused."""
+    from fold.spec_decode.drafter import Drafter
+    from fold.spec_decode.loading import read_config
+
+    target = transformers.LlamaForCausalLM.from_pretrained(tiny_run["target"]).eval()
+
+    def drafter_for(*extra):
+        args = train_real_drafter.parse_args(argv(tiny_run, tmp_path / "out", 10, *extra))
+        args.seq_len = SEQ
+        folder = tmp_path / "cfg"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(train_real_drafter.drafter_config(target.config, TAPS, args)))
+        return Drafter(read_config(folder, target.config))
+
+    drafter = drafter_for("--init-layers", "3")
+    train_real_drafter.init_from_target(drafter, target, [3], TAPS)
+    theirs = dict(target.model.layers[3].named_parameters())
+    for name, p in drafter.layers[0].named_parameters():
+        if name in theirs:
+            assert torch.equal(p, theirs[name]), name
+    assert {n for n, _ in drafter.layers[0].named_parameters()} - set(theirs) == {"self_attn.q_norm.weight",
+                                                                                 "self_attn.k_norm.weight"}
+    features = torch.randn(1, 5, len(TAPS) * HIDDEN)
+    with torch.no_grad():
+        h = target.model.layers[3].input_layernorm(features[..., HIDDEN:])      # tap 2 = layer 3's input
+        torch.testing.assert_close(drafter.hidden_norm(drafter.fc(features)), h, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight"):
+        train_real_drafter.init_from_target(drafter_for("--intermediate", "16"), target, [3], TAPS)
+    with pytest.raises(ValueError, match=r"\[4\] out of range"):
+        train_real_drafter.init_from_target(drafter_for(), target, [4], TAPS)
+    for extra in (["--init-layers", "2", "3"], ["--init-layers", "3", "--resume-from", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            train_real_drafter.parse_args(argv(tiny_run, tmp_path / "x", 10, *extra))
+        assert "--init-layers starts a fresh run" in capsys.readouterr().err
+    run_in_process(argv(tiny_run, tmp_path / "init", 10, "--init-layers", "3", "--sitting-steps", "1"))
+    assert json.loads((tmp_path / "init" / "train_log.json").read_text())["sittings"][-1]["args"]["init_layers"] == "[3]"
