@@ -372,7 +372,8 @@ def init_from_target(drafter, target, layer_ids: list[int], taps: list[int]) -> 
     so that layer 0 reads what the target's layer ``layer_ids[0]`` reads: ``fc`` passes the tap
     ``layer_ids[0] - 1`` (that layer's input) through unchanged and drops the other taps, and
     ``hidden_norm`` takes that layer's input norm. A trial of whether the target's content-addressed
-    heads make copying faster to learn (issue 45). Raises ``ValueError`` on a geometry mismatch."""
+    heads make copying faster to learn (issue 45). Raises ``ValueError`` on a geometry mismatch or when
+    the drafter does not read that tap."""
     layers = target.model.layers
     if len(layer_ids) != len(drafter.layers):
         raise ValueError(f"--init-layers takes one target layer per drafter layer ({len(drafter.layers)}), "
@@ -380,6 +381,9 @@ def init_from_target(drafter, target, layer_ids: list[int], taps: list[int]) -> 
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
     if bad:
         raise ValueError(f"--init-layers {bad} out of range: the target has layers 0..{len(layers) - 1}")
+    if layer_ids[0] - 1 not in taps:
+        raise ValueError(f"--init-layers {layer_ids}: the first one's input is tap {layer_ids[0] - 1}, which the "
+                         f"drafter does not read (taps {taps}); start from the layer above a tap")
     names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
              "input_layernorm.weight", "post_attention_layernorm.weight"]
@@ -393,13 +397,11 @@ def init_from_target(drafter, target, layer_ids: list[int], taps: list[int]) -> 
                                      f"{i}'s is {tuple(theirs[name].shape)}; give the target's geometry "
                                      "(--heads/--kv-heads/--head-dim/--intermediate)")
                 dst.copy_(theirs[name])
-        tap = layer_ids[0] - 1
-        if tap in taps:
-            h = drafter.fc.weight.shape[0]
-            drafter.fc.weight.zero_()
-            slot = taps.index(tap)
-            drafter.fc.weight[:, slot * h:(slot + 1) * h] = torch.eye(h)
-            drafter.hidden_norm.weight.copy_(layers[layer_ids[0]].input_layernorm.weight)
+        h = drafter.fc.weight.shape[0]
+        drafter.fc.weight.zero_()
+        slot = taps.index(layer_ids[0] - 1)
+        drafter.fc.weight[:, slot * h:(slot + 1) * h] = torch.eye(h)
+        drafter.hidden_norm.weight.copy_(layers[layer_ids[0]].input_layernorm.weight)
 
 
 def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict, dict]:

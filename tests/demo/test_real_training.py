@@ -235,6 +235,8 @@ def test_init_layers_copies_the_targets_layers_and_the_context_path(tiny_run, tm
         train_real_drafter.init_from_target(drafter_for("--intermediate", "16"), target, [3], TAPS)
     with pytest.raises(ValueError, match=r"\[4\] out of range"):
         train_real_drafter.init_from_target(drafter_for(), target, [4], TAPS)
+    with pytest.raises(ValueError, match="input is tap 0, which the drafter does not read"):
+        train_real_drafter.init_from_target(drafter_for(), target, [1], TAPS)
     for extra in (["--init-layers", "2", "3"], ["--init-layers", "3", "--resume-from", str(tmp_path)]):
         with pytest.raises(SystemExit):
             train_real_drafter.parse_args(argv(tiny_run, tmp_path / "x", 10, *extra))
