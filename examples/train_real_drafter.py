@@ -71,6 +71,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
+from fold.argtypes import at_least
 from fold.demo import corpus, forms, prompts, real, tokens
 from examples.train_target import check_device, positive
 
@@ -108,6 +109,8 @@ def extract_shard(target, tokenizer, sources: corpus.TrainingSources, args, inde
 
 
 def extract(args) -> None:
+    if args.max_shards is not None and args.first_shard >= args.max_shards:
+        raise SystemExit(f"--first-shard {args.first_shard} must be below --max-shards {args.max_shards}")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.cache.mkdir(parents=True, exist_ok=True)
@@ -128,7 +131,7 @@ def extract(args) -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     sources = corpus.training_sources(args.stdlib)
-    t0, done, index = time.perf_counter(), 0, 0
+    t0, done, index = time.perf_counter(), 0, args.first_shard
     print(f"extracting form {args.form!r} into {args.cache}: taps {args.taps}, {args.seq_len} tokens per sequence, "
           f"{args.shard_size} per shard, up to {args.minutes} min on {args.device}", flush=True)
     while time.perf_counter() - t0 < args.minutes * 60 and (args.max_shards is None or index < args.max_shards):
@@ -655,7 +658,11 @@ def add_extract_args(sub) -> None:
     ex.add_argument("--shard-size", type=positive(int), default=16)
     ex.add_argument("--batch", type=positive(int), default=4)
     ex.add_argument("--minutes", type=positive(float), default=30.0)
-    ex.add_argument("--max-shards", type=positive(int), default=None)
+    ex.add_argument("--max-shards", type=positive(int), default=None,
+                    help="write shards with indices below this (default: until --minutes is spent)")
+    ex.add_argument("--first-shard", type=at_least(0), default=0,
+                    help="the first shard index written (default 0): a sitting on a new machine can extract "
+                         "shards no earlier sitting trained on instead of rebuilding the first ones")
     ex.add_argument("--seed", type=int, default=0)
     ex.add_argument("--device", default="cpu")
     ex.add_argument("--threads", type=positive(int), default=None)

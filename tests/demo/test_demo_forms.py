@@ -248,12 +248,12 @@ def fake_real_target(monkeypatch, tiny_target, tokenizer):
     monkeypatch.setattr(real, "load_target", lambda *args, **kwargs: (tiny_target, tokenizer))
 
 
-def _extract(cache, stdlib, form, shards, seq_len=64):
+def _extract(cache, stdlib, form, shards, seq_len=64, first=0):
     from examples import train_real_drafter
 
     train_real_drafter.main(["extract", "--form", form, "--cache", str(cache), "--max-shards", str(shards),
                              "--seq-len", str(seq_len), "--shard-size", "2", "--batch", "2", "--taps", "0", "2",
-                             "--stdlib", str(stdlib), "--threads", "1"])
+                             "--stdlib", str(stdlib), "--threads", "1", "--first-shard", str(first)])
     return json.loads((cache / "meta.json").read_text())
 
 
@@ -269,6 +269,12 @@ def test_extract_caches_one_form_per_folder_resumably(fake_real_target, stdlib, 
     resumed, straight = (load_file(str(train_real_drafter.shard_path(tmp_path / c, 1))) for c in ("a", "b"))
     assert resumed.keys() == straight.keys() == {"ids", "features", "greedy", "copy"}
     assert all(torch.equal(resumed[k], straight[k]) for k in resumed)
+    assert _extract(tmp_path / "c", stdlib, "strings", 2, 256, first=1)["shards"] == 1   # shard 1 alone, the same
+    assert [p.name for p in train_real_drafter.existing_shards(tmp_path / "c")] == ["shard_00001.safetensors"]
+    late = load_file(str(train_real_drafter.shard_path(tmp_path / "c", 1)))
+    assert all(torch.equal(late[k], straight[k]) for k in late)
+    with pytest.raises(SystemExit, match="--first-shard 2 must be below --max-shards 2"):
+        _extract(tmp_path / "c", stdlib, "strings", 2, 256, first=2)
     assert resumed["features"].shape == (2, 256, 2 * 64) and resumed["features"].dtype == torch.bfloat16
     longest = tokens.copy_mask(resumed["ids"].long(), max_order=8)         # random ids: unlike the latest-pair mask
     assert torch.equal(resumed["copy"].bool(), longest)
