@@ -426,6 +426,11 @@ def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict
         print(f"resumed from {ckpt_path} at step {step} (exact)", flush=True)
     elif args.state is not None and (args.state / "state.json").is_file():
         progress, log = load_state(args.state, drafter, rng)
+        # the lineage's step records travel with the state; this OUT's log continues them (a new
+        # machine's OUT has none, and the state's copy of OUT's log would lose them at its next write)
+        if (args.state / "steps.jsonl").is_file():
+            (args.out / "steps.partial").write_text((args.state / "steps.jsonl").read_text())
+            os.replace(args.out / "steps.partial", args.out / "steps.jsonl")
         print(f"resumed from the state in {args.state} at step {progress['step']} (new optimizer moments)", flush=True)
     elif args.resume_from is not None:
         # the shipped bf16 weights (fold/demo/artifacts/real_drafter) with a fresh optimizer

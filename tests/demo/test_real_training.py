@@ -183,6 +183,9 @@ def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path
     torch_rng = torch.frombuffer(bytearray(base64.b64decode(saved["torch_rng"])), dtype=torch.uint8)
     assert torch.equal(torch_rng, exact["torch_rng"])
     assert (state / "steps.jsonl").read_text() == (tmp_path / "a" / "steps.jsonl").read_text()
+    # the step records travel with the state: b's log (and the state it writes) continues a's
+    steps = [json.loads(line)["step"] for line in (tmp_path / "state-b" / "steps.jsonl").read_text().splitlines()]
+    assert steps == [1, 10]
 
 
 def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise(tiny_run, tmp_path, capsys):
