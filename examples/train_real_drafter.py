@@ -338,8 +338,14 @@ def save_state(folder: Path, drafter, progress: dict, rng: random.Random, log: d
     (folder / "state.partial").write_text(json.dumps(state))
     os.replace(folder / "state.partial", folder / "state.json")
     if steps_log.is_file():
-        (folder / "steps.partial").write_text(steps_log.read_text())
-        os.replace(folder / "steps.partial", folder / "steps.jsonl")
+        copy_steps_log(steps_log, folder / "steps.jsonl")
+
+
+def copy_steps_log(src: Path, dst: Path) -> None:
+    """Copy a ``steps.jsonl`` over ``dst`` through a temporary file (a kill leaves the old one)."""
+    tmp = dst.with_suffix(".partial")
+    tmp.write_text(src.read_text())
+    os.replace(tmp, dst)
 
 
 def load_state(folder: Path, drafter, rng: random.Random) -> tuple[dict, dict]:
@@ -429,8 +435,7 @@ def resume(args, target, drafter, opt, rng: random.Random, params) -> tuple[dict
         # the lineage's step records travel with the state; this OUT's log continues them (a new
         # machine's OUT has none, and the state's copy of OUT's log would lose them at its next write)
         if (args.state / "steps.jsonl").is_file():
-            (args.out / "steps.partial").write_text((args.state / "steps.jsonl").read_text())
-            os.replace(args.out / "steps.partial", args.out / "steps.jsonl")
+            copy_steps_log(args.state / "steps.jsonl", args.out / "steps.jsonl")
         print(f"resumed from the state in {args.state} at step {progress['step']} (new optimizer moments)", flush=True)
     elif args.resume_from is not None:
         # the shipped bf16 weights (fold/demo/artifacts/real_drafter) with a fresh optimizer
