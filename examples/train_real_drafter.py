@@ -59,7 +59,6 @@ import argparse
 import base64
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -73,6 +72,7 @@ from safetensors.torch import load_file, save_file
 
 from fold.argtypes import at_least
 from fold.demo import corpus, forms, prompts, real, tokens
+from fold.files import write_atomically, write_text_atomically
 from examples.train_target import check_device, positive
 
 DEFAULT_TAPS = [1, 8, 15, 22, 27]
@@ -141,9 +141,8 @@ def extract(args) -> None:
             continue
         t_shard = time.perf_counter()
         shard = extract_shard(target, tokenizer, sources, args, index)
-        tmp = path.with_suffix(".partial")
-        save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp))
-        os.replace(tmp, path)
+        tensors = {k: v.contiguous() for k, v in shard.items()}
+        write_atomically(path, lambda tmp, tensors=tensors: save_file(tensors, str(tmp)))
         done += 1
         secs = time.perf_counter() - t_shard
         print(f"shard {index}: {args.shard_size * args.seq_len} tokens in {secs:.0f} s "
@@ -154,9 +153,7 @@ def extract(args) -> None:
                             threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())))
     meta["shards"] = len(existing_shards(args.cache))
     meta["tokens"] = meta["shards"] * args.shard_size * args.seq_len
-    tmp = meta_path.with_suffix(".partial")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_path)
+    write_text_atomically(meta_path, json.dumps(meta, indent=1))
     print(f"{meta['shards']} shards ({meta['tokens']} tokens) in {args.cache}")
 
 
@@ -318,10 +315,9 @@ class Schedule:
 def save_checkpoint(path: Path, drafter, opt, progress: dict, rng: random.Random, log: dict) -> None:
     """Everything a resume needs to continue bit-exactly (weights, optimizer moments, RNGs, the step,
     the schedule), written to a temporary file and moved over ``path`` (a kill leaves the old one)."""
-    tmp = path.with_suffix(".partial")
-    torch.save(dict(model=drafter.state_dict(), opt=opt.state_dict(), rng=rng.getstate(),
-                    torch_rng=torch.get_rng_state(), log=log, **progress), tmp)
-    os.replace(tmp, path)
+    checkpoint = dict(model=drafter.state_dict(), opt=opt.state_dict(), rng=rng.getstate(),
+                      torch_rng=torch.get_rng_state(), log=log, **progress)
+    write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
 def save_state(folder: Path, drafter, progress: dict, rng: random.Random, log: dict, steps_log: Path) -> None:
@@ -330,22 +326,18 @@ def save_state(folder: Path, drafter, progress: dict, rng: random.Random, log: d
     anew and warms up again: its measured cost is in ``fold/demo/artifacts/README.md``)."""
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(weights, str(folder / "model.partial"))
-    os.replace(folder / "model.partial", folder / "model.safetensors")
+    write_atomically(folder / "model.safetensors", lambda tmp: save_file(weights, str(tmp)))
     version, internal, gauss = rng.getstate()
     state = dict(progress, schedule=asdict(progress["schedule"]), python_rng=[version, list(internal), gauss],
                  torch_rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), log=log)
-    (folder / "state.partial").write_text(json.dumps(state))
-    os.replace(folder / "state.partial", folder / "state.json")
+    write_text_atomically(folder / "state.json", json.dumps(state))
     if steps_log.is_file():
         copy_steps_log(steps_log, folder / "steps.jsonl")
 
 
 def copy_steps_log(src: Path, dst: Path) -> None:
     """Copy a ``steps.jsonl`` over ``dst`` through a temporary file (a kill leaves the old one)."""
-    tmp = dst.with_suffix(".partial")
-    tmp.write_text(src.read_text())
-    os.replace(tmp, dst)
+    write_text_atomically(dst, src.read_text())
 
 
 def load_state(folder: Path, drafter, rng: random.Random) -> tuple[dict, dict]:

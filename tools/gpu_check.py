@@ -46,6 +46,7 @@ from benchmarks.workloads import DRAFTERS, PROVIDERS, flash_available, fold_call
 from fold.argtypes import positive
 import fold
 from fold import config_lookup
+from fold.files import write_text_atomically
 from fold.kernels.fold_attention import FoldConfig, config_space, split_counts
 from tuning.tune import drafter_classes
 
@@ -271,9 +272,7 @@ class Run:
         self._log_file.flush()
 
     def save(self) -> None:
-        tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1, default=str))
-        os.replace(tmp, self.out / "results.json")
+        write_text_atomically(self.out / "results.json", json.dumps(self.results, indent=1, default=str))
 
     def section(self, name: str, fn, min_left_s: float = 0.0) -> None:
         """Run ``fn`` as section ``name`` unless skipped or fewer than ``min_left_s`` seconds are left;

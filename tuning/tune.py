@@ -23,9 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import statistics
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ import triton
 
 import fold
 from fold import config_lookup
+from fold.files import write_text_atomically
 from fold.config_lookup import class_key, config_from_tile, heuristic_tile, shape_key
 from fold.kernels.fold_attention import TILE_FIELDS, FoldConfig, config_space, split_counts
 from benchmarks.workloads import DrafterShape, fold_call, make_inputs
@@ -240,10 +239,7 @@ def write_cache(out_dir: Path, device, entries: dict, timer_name: str) -> Path:
         if all(old_meta.get(k) == meta[k] for k in ("device", "kernel_hash", "space_hash")):
             merged = {key: old["entries"][key] for key in old_entries}
     merged.update(entries)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"_metadata": meta, "entries": dict(sorted(merged.items()))}, f, indent=1)
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps({"_metadata": meta, "entries": dict(sorted(merged.items()))}, indent=1))
     config_lookup.clear_cache()
     return path
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -58,6 +57,7 @@ import torch
 
 from fold.argtypes import at_least, in_range
 from fold.demo import corpus, experiment, tokens
+from fold.files import write_atomically
 from fold.read_options import MAX_ALPHA, RANKS
 
 PRESETS = {
@@ -177,30 +177,14 @@ def check_writable(out: Path) -> None:
         pass
 
 
-def _write_atomically(path: Path, write) -> None:
-    """``write(temporary path)``, then rename over ``path``: a reader never sees half a file. The file
-    gets the mode a plain ``open`` would give it (``mkstemp``'s 0600 is for the temporary name only)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_results(records: list[dict], out: Path) -> str:
     """Write the plot, ``table.txt`` and, last, ``results.json`` (each atomically), so a
     ``results.json`` always comes with the table and plot of the same records. Returns the table."""
     table = format_table(records)
     if any(r["task"] != "shift" for r in records):
-        _write_atomically(out / "tau_vs_length.png", lambda p: plot(records, p))
-    _write_atomically(out / "table.txt", lambda p: p.write_text(table + "\n"))
-    _write_atomically(out / "results.json", lambda p: p.write_text(json.dumps(records, indent=1)))
+        write_atomically(out / "tau_vs_length.png", lambda p: plot(records, p))
+    write_atomically(out / "table.txt", lambda p: p.write_text(table + "\n"))
+    write_atomically(out / "results.json", lambda p: p.write_text(json.dumps(records, indent=1)))
     return table
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fold.checks import check_int
+from fold.files import write_text_atomically
 from fold.read_options import BACKENDS, MAX_ALPHA, RANKS, ReadOptions, straddled_pages
 
 READS = ("fold", "window", "rerope", "stock")
@@ -161,9 +162,7 @@ def configure(drafter_dir, out_dir, *, read="fold", window=None, alpha=None, tra
         target = out / item.name
         if item.name != "config.json" and not target.exists():
             os.symlink(item.resolve(), target)
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2))
-    os.replace(tmp, out / "config.json")
+    write_text_atomically(out / "config.json", json.dumps(config, indent=2))
     return out
 
 

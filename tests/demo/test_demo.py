@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import fold.demo
-from fold import spec_decode
+from fold import files, spec_decode
 from fold.demo import cli, corpus, experiment, tokens
 from fold.demo.prompts import code_prompt, retrieval_prompt
 from fold.spec_decode.policies import BUILT
@@ -338,8 +338,8 @@ def test_results_are_written_table_first_and_atomically(tmp_path, monkeypatch):
                     speedup_ci=[0.9, 1.1], lossless=True) for p, t in (("AR", 1.0), ("window", 1.5), ("fold", 2.0))]
     records[2].update(tau_minus_window=0.5, tau_minus_window_ci=[0.2, 0.8])
     order = []
-    real_replace = cli.os.replace
-    monkeypatch.setattr(cli.os, "replace", lambda a, b: (order.append(Path(b).name), real_replace(a, b)))
+    real_replace = files.os.replace
+    monkeypatch.setattr(files.os, "replace", lambda a, b: (order.append(Path(b).name), real_replace(a, b)))
     cli.save_results(records, tmp_path)
     assert order == ["tau_vs_length.png", "table.txt", "results.json"]
     assert json.loads((tmp_path / "results.json").read_text()) == records
