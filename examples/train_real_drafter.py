@@ -48,7 +48,8 @@ The drafter differs from the toy's (``examples/train_drafter.py``, whose trainin
 64 by default, and the MASK token from ``--mask-token-id`` (49151, the vocabulary's last entry,
 since a Llama config has no ``mask_token_id``). ``--fold-window W`` trains through FOLD's read (the
 context W + block size or more before a slot read at the shared position, ``--fold-alpha``), the read
-``fold-demo --real`` measures FOLD with (W = 256, alpha = 2). ``--init-layers 28 29`` starts a fresh
+``fold-demo --real`` measures FOLD with (W = 256, alpha = 2); ``--fold-share s`` reads a share s of the
+steps that way and the rest at true positions. ``--init-layers 28 29`` starts a fresh
 drafter from the target's own upper layers (:func:`init_from_target`). ``--device cuda`` runs the same
 code on a GPU.
 """
@@ -549,6 +550,16 @@ def train(args) -> dict:
     return log
 
 
+def folded_step(step: int, args) -> bool:
+    """Whether step ``step`` (0-based, counted over the whole run) reads through FOLD: never without
+    ``--fold-window``; else a ``--fold-share`` s of the steps spread evenly by the step number alone
+    (floor((step + 1) s) > floor(step s)), so the batches, the data order and a resume are unchanged."""
+    if args.fold_window is None:
+        return False
+    share = args.fold_share
+    return math.floor((step + 1) * share) > math.floor(step * share)
+
+
 def run_steps(args, drafter, opt, params, pool, progress: dict, rng, log: dict, steps_log: Path, head_weight,
               forms: list[str], save, t0: float) -> None:
     """Train until the schedule's end, ``--sitting-steps`` or ``--minutes``: one step per batch, a record
@@ -567,8 +578,9 @@ def run_steps(args, drafter, opt, params, pool, progress: dict, rng, log: dict, 
         (ids, features, anchors, labels, is_copy, positions), sources = batch_inputs(pool, rng, args, args.device)
         rows, labels = scored_rows(pool.vocab, labels, args, vocab_size)
         table = head_weight[rows]
+        fold_read = (args.fold_window, args.fold_alpha) if folded_step(step, args) else None
         logits = block_logits(drafter, features, ids, anchors, positions, head=lambda x: F.linear(x, table),
-                              fold_read=None if args.fold_window is None else (args.fold_window, args.fold_alpha))
+                              fold_read=fold_read)
         loss = weighted_step(logits, labels, weights * (1 + args.copy_weight * is_copy.float()), opt, params)
         progress["step"] = step = step + 1
         with torch.no_grad():
@@ -722,6 +734,9 @@ def add_train_args(sub) -> None:
                          "read as the far memory at the shared position, as fold.attention(window=W) reads "
                          "them at inference (default: every entry at its true position)")
     tr.add_argument("--fold-alpha", type=float, default=2.0, help="with --fold-window: the far branch's alpha")
+    tr.add_argument("--fold-share", type=float, default=1.0,
+                    help="with --fold-window: the share of steps read through FOLD, spread evenly by the step "
+                         "number (the others read every entry at its position); the batches are the same")
     tr.add_argument("--init-layers", type=int, nargs="+", default=None,
                     help="a fresh run only: start drafter layer i as the target's decoder layer INIT_LAYERS[i] "
                          "(e.g. 28 29), the context path passing that first layer's input tap through")
@@ -743,6 +758,10 @@ def check_train_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--blocks {args.blocks} do not fit in a 512-token sequence")
     if not 1.0 <= args.fold_alpha < math.inf:
         ap.error(f"--fold-alpha must be a float >= 1, got {args.fold_alpha}")
+    if not 0.0 < args.fold_share <= 1.0:
+        ap.error(f"--fold-share must be a float in (0, 1], got {args.fold_share}")
+    if args.fold_share != 1.0 and args.fold_window is None:
+        ap.error(f"--fold-share {args.fold_share} needs --fold-window")
     if args.init_layers is not None and (args.resume_from is not None or len(args.init_layers) != args.layers):
         ap.error(f"--init-layers starts a fresh run with one target layer per drafter layer ({args.layers}), "
                  f"got {args.init_layers}" + (" with --resume-from" if args.resume_from is not None else ""))

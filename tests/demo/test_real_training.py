@@ -205,6 +205,33 @@ def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise
     assert "--fold-alpha must be a float >= 1, got 0.5" in capsys.readouterr().err
 
 
+def test_a_share_of_steps_through_folds_read_is_those_steps_resumed_with_and_without_it(tiny_run, tmp_path, capsys):
+    """``--fold-share 0.5``: steps 0 and 2 read at true positions, steps 1 and 3 through FOLD's read, by
+    the step number alone. Four steps in one run end bit-exactly where four one-step sittings end that
+    alternate a plain sitting and a ``--fold-window`` sitting (the exact resume joins them); a share
+    outside (0, 1] or without ``--fold-window`` is refused."""
+    share = ("--fold-window", "4", "--fold-share", "0.5")
+    assert [train_real_drafter.folded_step(k, train_real_drafter.parse_args(argv(tiny_run, tmp_path, 10, *share)))
+            for k in range(6)] == [False, True, False, True, False, True]
+    quarter = train_real_drafter.parse_args(argv(tiny_run, tmp_path, 10, "--fold-window", "4", "--fold-share", "0.25"))
+    assert sum(train_real_drafter.folded_step(k, quarter) for k in range(400)) == 100
+    run_in_process(argv(tiny_run, tmp_path / "mixed", 10, "--sitting-steps", "4", *share))
+    for k in range(4):
+        run_in_process(argv(tiny_run, tmp_path / "joined", 10, "--sitting-steps", "1",
+                            *(("--fold-window", "4") if k % 2 else ())))
+    run_in_process(argv(tiny_run, tmp_path / "plain", 10, "--sitting-steps", "4"))
+    mixed, joined, plain = (checkpoint(tmp_path / name) for name in ("mixed", "joined", "plain"))
+    assert_same_training_state(mixed, joined)
+    assert mixed["rng"] == plain["rng"] and torch.equal(mixed["torch_rng"], plain["torch_rng"])
+    assert any(not torch.equal(plain["model"][k], mixed["model"][k]) for k in plain["model"])
+    refused = ((("--fold-window", "4", "--fold-share", "0"), "--fold-share must be a float in (0, 1], got 0.0"),
+               (("--fold-share", "0.5"), "--fold-share 0.5 needs --fold-window"))
+    for bad, message in refused:
+        with pytest.raises(SystemExit):
+            train_real_drafter.main(argv(tiny_run, tmp_path / "bad", 10, *bad))
+        assert message in capsys.readouterr().err
+
+
 def test_init_layers_copies_the_targets_layers_and_the_context_path(tiny_run, tmp_path, capsys):
     """``--init-layers``: drafter layer i starts as target layer ids[i]; the context the drafter's layers
     read is exactly what that first target layer reads (its input norm of the tap below it); bad
