@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 import fold
 import fold.demo  # noqa: F401  (registers the fold_toy target)
+from fold.files import write_atomically, write_text_atomically
 from fold import spec_decode
 from fold.demo import corpus, documents, prompts, tokens
 from fold.spec_decode import load_drafter
@@ -367,7 +368,7 @@ def new_drafter(args, target) -> Drafter:
     """A drafter for ``target`` with N(0, 0.02) linear weights; its config.json written into ``--out``."""
     args.out.mkdir(parents=True, exist_ok=True)
     config = drafter_config(target.config, args)
-    (args.out / "config.json").write_text(json.dumps(config, indent=1))
+    write_text_atomically(args.out / "config.json", json.dumps(config, indent=1))
     cfg: DrafterConfig = read_config(args.out, target.config)
     drafter = Drafter(cfg).to(args.device)
     drafter.bind(target)
@@ -439,9 +440,9 @@ def main(argv=None):
     log["copy_ability"] = copy_ability(target, drafter, tokenizer, code, args)
     print("copy ability at the training length:", log["copy_ability"])
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(state, str(args.out / "model.safetensors"))
+    write_atomically(args.out / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng, code, args)
-    (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
+    write_text_atomically(args.out / "train_log.json", json.dumps(log, indent=1))
     print(f"saved {args.out} (loaded back through spec_decode.load_drafter; "
           f"max |logit diff| vs the training forward {log['load_check_max_abs_diff']:.3g})")
     return log

@@ -356,7 +356,7 @@ def keep_steps_until(steps_log: Path, step: int) -> None:
     """Drop the step records past ``step`` (written after the checkpoint a resume starts from)."""
     if steps_log.is_file():
         lines = [ln for ln in steps_log.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        steps_log.write_text("".join(ln + "\n" for ln in lines))
+        write_text_atomically(steps_log, "".join(ln + "\n" for ln in lines))
 
 
 def copy_accuracy(logits, labels, is_copy, sources, forms: list[str], counts: dict) -> None:
@@ -501,7 +501,7 @@ def train(args) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "config.json").write_text(json.dumps(drafter_config(target.config, taps, args), indent=1))
+    write_text_atomically(args.out / "config.json", json.dumps(drafter_config(target.config, taps, args), indent=1))
     drafter = Drafter(read_config(args.out, target.config)).to(args.device)
     drafter.bind(target)
     ckpt_path, steps_log = args.out / "checkpoint.pt", args.out / "steps.jsonl"
@@ -611,7 +611,7 @@ def finish(args, target, tokenizer, drafter, log: dict, step: int, schedule) -> 
     log["train_seconds"] = round(sum(s["seconds"] for s in log["sittings"]), 1)
     drafter.eval()
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(state, str(args.out / "model.safetensors"))
+    write_atomically(args.out / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
     code, _ = corpus.split_corpus(args.stdlib)
     if args.eval_prompts:
         taus = retrieval_tau(target, args.out, tokenizer, code, args)
@@ -622,7 +622,7 @@ def finish(args, target, tokenizer, drafter, log: dict, step: int, schedule) -> 
     rng_check = random.Random(args.seed + 7)
     args.mix = [1.0, 0.0, 0.0, 0.0]                 # the load check runs one block of held-in code
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng_check, code, args)
-    (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
+    write_text_atomically(args.out / "train_log.json", json.dumps(log, indent=1))
     print(f"saved {args.out} at step {step}/{schedule.total} (loaded back through spec_decode.load_drafter; max |logit "
           f"diff| vs the training forward {log['load_check_max_abs_diff']:.3g}); resume: run the same command again")
 

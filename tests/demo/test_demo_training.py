@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+import os
 import random
 import time
 
@@ -200,6 +201,10 @@ def test_train_drafter_smoke(tiny_stdlib, tiny_tokenizer, tmp_path, anchor_offse
     drafter = load_drafter(out, target)
     assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == [1]
     assert json.loads((out / "config.json").read_text())["fold_training"]["anchor_offset"] is anchor_offset
+    umask = os.umask(0)                  # plain files' mode under the umask (safetensors alone gives 0600)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors", "train_log.json"):
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     # the loaded module's inference path reproduces the training forward, compared in float64 (two float32
     # paths that sum in different orders differ by machine): the same (bf16-rounded) weights, within
     # twice the float32 training forward's error of the float64 one

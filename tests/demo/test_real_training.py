@@ -186,6 +186,11 @@ def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path
     # the step records travel with the state: b's log (and the state it writes) continues a's
     steps = [json.loads(line)["step"] for line in (tmp_path / "state-b" / "steps.jsonl").read_text().splitlines()]
     assert steps == [1, 10]
+    # every file a run writes has a plain file's mode under the umask (safetensors alone gives 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in sorted((tmp_path / "b").iterdir()) + sorted((tmp_path / "state-b").iterdir()):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
 
 
 def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise(tiny_run, tmp_path, capsys):
