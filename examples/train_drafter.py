@@ -46,9 +46,9 @@ from safetensors.torch import save_file
 
 import fold
 import fold.demo  # noqa: F401  (registers the fold_toy target)
-from fold.files import write_atomically, write_text_atomically
 from fold import spec_decode
 from fold.demo import corpus, documents, prompts, tokens
+from fold.files import write_atomically, write_text_atomically
 from fold.spec_decode import load_drafter
 from fold.spec_decode.drafter import Drafter, DrafterConfig
 from fold.spec_decode.loading import read_config

@@ -1,7 +1,8 @@
 """One way to write a file that something reads back (``fold-demo``'s results, the tuning cache, a
 vLLM checkpoint's config, the training scripts' shards, checkpoints, resume state and released
-weights, the real target's converted weights, the GPU script's results): into a temporary file beside it, then renamed over it, so a reader never sees half a file
-and a write that fails or is interrupted leaves the old file in place."""
+weights, the real target's converted weights, the GPU script's results): into a temporary file
+beside it, then renamed over it, so a reader never sees half a file and a write that fails or is
+interrupted leaves the old file in place."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def convert(out: Path, log=print) -> Path:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    # through fold.files: safetensors writes its own temporary file, left at mkstemp's mode 0600
+    # through fold.files: safetensors 0.8 leaves the file it writes at mode 0600 whatever the umask
     write_atomically(tmp / "model.safetensors", lambda f: save_file(state, str(f), metadata={"format": "pt"}))
     tokenizer.save_pretrained(tmp)
     (tmp / "source.json").write_text(json.dumps(dict(gguf=str(src), gguf_bytes=src.stat().st_size,
