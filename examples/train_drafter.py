@@ -42,13 +42,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
 
 import fold
 import fold.demo  # noqa: F401  (registers the fold_toy target)
 from fold import spec_decode
 from fold.demo import corpus, documents, prompts, tokens
-from fold.files import write_atomically, write_text_atomically
+from fold.files import write_safetensors_atomically, write_text_atomically
 from fold.spec_decode import load_drafter
 from fold.spec_decode.drafter import Drafter, DrafterConfig
 from fold.spec_decode.loading import read_config
@@ -440,7 +439,7 @@ def main(argv=None):
     log["copy_ability"] = copy_ability(target, drafter, tokenizer, code, args)
     print("copy ability at the training length:", log["copy_ability"])
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    write_atomically(args.out / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
+    write_safetensors_atomically(args.out / "model.safetensors", state)
     log["load_check_max_abs_diff"] = check_loaded(args.out, target, tokenizer, rng, code, args)
     write_text_atomically(args.out / "train_log.json", json.dumps(log, indent=1))
     print(f"saved {args.out} (loaded back through spec_decode.load_drafter; "

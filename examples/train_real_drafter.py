@@ -68,12 +68,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 
 from fold.argtypes import at_least
 from fold.demo import corpus, forms, prompts, real, tokens
-from fold.files import write_atomically, write_text_atomically
+from fold.files import write_atomically, write_safetensors_atomically, write_text_atomically
 from examples.train_target import check_device, positive
 
 DEFAULT_TAPS = [1, 8, 15, 22, 27]
@@ -143,7 +143,7 @@ def extract(args) -> None:
         t_shard = time.perf_counter()
         shard = extract_shard(target, tokenizer, sources, args, index)
         tensors = {k: v.contiguous() for k, v in shard.items()}
-        write_atomically(path, lambda tmp, tensors=tensors: save_file(tensors, str(tmp)))
+        write_safetensors_atomically(path, tensors)
         done += 1
         secs = time.perf_counter() - t_shard
         print(f"shard {index}: {args.shard_size * args.seq_len} tokens in {secs:.0f} s "
@@ -327,7 +327,7 @@ def save_state(folder: Path, drafter, progress: dict, rng: random.Random, log: d
     anew and warms up again: its measured cost is in ``fold/demo/artifacts/README.md``)."""
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    write_atomically(folder / "model.safetensors", lambda tmp: save_file(weights, str(tmp)))
+    write_safetensors_atomically(folder / "model.safetensors", weights)
     version, internal, gauss = rng.getstate()
     state = dict(progress, schedule=asdict(progress["schedule"]), python_rng=[version, list(internal), gauss],
                  torch_rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), log=log)
@@ -611,7 +611,7 @@ def finish(args, target, tokenizer, drafter, log: dict, step: int, schedule) -> 
     log["train_seconds"] = round(sum(s["seconds"] for s in log["sittings"]), 1)
     drafter.eval()
     state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    write_atomically(args.out / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
+    write_safetensors_atomically(args.out / "model.safetensors", state)
     code, _ = corpus.split_corpus(args.stdlib)
     if args.eval_prompts:
         taus = retrieval_tau(target, args.out, tokenizer, code, args)

@@ -38,3 +38,14 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """:func:`write_atomically` for a text file."""
     write_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def write_safetensors_atomically(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> None:
+    """:func:`write_atomically` for a safetensors file of ``tensors`` (name -> contiguous CPU tensor).
+
+    Every weights file goes through here: safetensors 0.8's ``save_file`` writes through a hidden
+    temporary file of its own and leaves the result at mode 0600 whatever the umask, so a drafter
+    saved with it alone could not be read by another user (a vLLM server's, say)."""
+    from safetensors.torch import save_file
+
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

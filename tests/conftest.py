@@ -43,6 +43,15 @@ def nan_poison_fold_allocations():
     torch.empty, torch.empty_like = real_empty, real_empty_like
 
 
+@pytest.fixture
+def plain_mode():
+    """The umask at 022 for one test (restored after); gives the mode a plain ``open`` writes under it,
+    0o644, which a file written through ``fold.files`` must have (safetensors alone gives 0600)."""
+    old = os.umask(0o022)
+    yield 0o644
+    os.umask(old)
+
+
 # `-m quick`: the subset another torch release runs (README, .ci/run): the op against the reference on
 # both paths, the custom ops under torch.compile, bad input, RoPE, the loop and every target family
 QUICK = ("core/test_attention.py", "core/test_torch_path.py", "core/test_engine_ops.py", "core/test_validation.py",

@@ -4,7 +4,10 @@ import os
 
 import pytest
 
-from fold.files import write_atomically, write_text_atomically
+import torch
+from safetensors import safe_open
+
+from fold.files import write_atomically, write_safetensors_atomically, write_text_atomically
 
 
 def test_the_file_gets_its_content_and_a_plain_mode_and_no_temporary_is_left(tmp_path):
@@ -42,3 +45,17 @@ def test_the_file_is_replaced_whole(tmp_path):
     write_text_atomically(path, "a much longer first version")
     write_text_atomically(str(path), "short")
     assert path.read_text() == "short"
+
+
+def test_safetensors_get_their_tensors_metadata_and_a_plain_mode(tmp_path, plain_mode):
+    """safetensors' own save_file leaves 0600 whatever the umask (0.8); the helper gives a plain file's mode."""
+    tensors = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(3)}
+    path = tmp_path / "model.safetensors"
+    write_safetensors_atomically(path, tensors, metadata={"format": "pt"})
+    assert path.stat().st_mode & 0o777 == plain_mode
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert sorted(f.keys()) == ["b", "w"]
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v), k
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]

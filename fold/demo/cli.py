@@ -57,7 +57,7 @@ import torch
 
 from fold.argtypes import at_least, in_range
 from fold.demo import corpus, experiment, tokens
-from fold.files import write_atomically
+from fold.files import write_atomically, write_text_atomically
 from fold.read_options import MAX_ALPHA, RANKS
 
 PRESETS = {
@@ -183,8 +183,8 @@ def save_results(records: list[dict], out: Path) -> str:
     table = format_table(records)
     if any(r["task"] != "shift" for r in records):
         write_atomically(out / "tau_vs_length.png", lambda p: plot(records, p))
-    write_atomically(out / "table.txt", lambda p: p.write_text(table + "\n"))
-    write_atomically(out / "results.json", lambda p: p.write_text(json.dumps(records, indent=1)))
+    write_text_atomically(out / "table.txt", table + "\n")
+    write_text_atomically(out / "results.json", json.dumps(records, indent=1))
     return table
 
 

