@@ -4,7 +4,6 @@ gathered keys, read a chunk at a time) against the reference."""
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import fold
 import fold.torch_path as torch_backend

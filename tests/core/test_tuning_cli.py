@@ -65,7 +65,7 @@ def test_the_table_renders_a_full_and_a_cut_off_run():
 
 def test_the_precompile_compiles_a_tile_for_sm90_without_a_gpu(tmp_path):
     """The first section of a GPU run, on one tile, in a child without the interpreter."""
-    code = f"""
+    code = """
 import json
 from types import SimpleNamespace
 from tools import gpu_check

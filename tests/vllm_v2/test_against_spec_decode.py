@@ -30,7 +30,7 @@ POLICY = {"fold_run": ("fold", "fold", dict(window=SMALL_W, alpha=ALPHA)),
 
 
 @pytest.fixture(scope="module")
-def spec_drafters(pair):
+def spec_drafters(pair):  # noqa: F811 (the imported fixture)
     """``{torch.float64: (drafter, target), torch.float32: (drafter, target)}``: fold.spec_decode's drafter of the
     pair's z-lab DFlash directory on the transformers target vLLM was given (float64: both ``.double()``)."""
     out = {}
@@ -58,7 +58,7 @@ def spec_logits(drafter, tgt, context, bonus, policy, options):
 
 
 @pytest.mark.parametrize("name", list(POLICY))
-def test_vllm_drafts_equal_fold_spec(name, request, pair, spec_drafters):
+def test_vllm_drafts_equal_fold_spec(name, request, pair, spec_drafters):  # noqa: F811 (the imported fixture)
     result = request.getfixturevalue(name)
     policy, directory, options = POLICY[name]
     # the run's drafter directory configures the read fold.spec_decode is given here
