@@ -24,6 +24,8 @@ import argparse
 import json
 import math
 import random
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import torch
 from fold.argtypes import positive
 from fold import spec_decode
 from fold.demo import FoldToyConfig, FoldToyForCausalLM, corpus, documents, prompts, tokens
+from fold.files import write_atomically, write_text_atomically
 
 MIX_HELP = "shares of code, key-value, repeated-line and random-string windows (summing to 1)"
 
@@ -177,8 +180,6 @@ def main(argv=None):
         tok = tokens.train_tokenizer(tokenizer_texts(random.Random(args.seed), code), args.vocab)
         tokens.save_tokenizer(tok, args.out)
     else:
-        import shutil
-
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (args.tokenizer / name).is_file() and args.tokenizer.resolve() != args.out.resolve():
                 shutil.copy(args.tokenizer / name, args.out / name)
@@ -229,8 +230,13 @@ def main(argv=None):
                                  for n in args.eval_lengths if n >= 128}
     print("held-out loss (nats/token):", log["held_out_loss"])
     print("retrieval accuracy:", log["retrieval_accuracy"])
-    model.to(torch.bfloat16).save_pretrained(args.out)
-    (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
+    # save_pretrained's safetensors write leaves the weights at 0600 whatever the umask: it writes into
+    # a hidden staging folder, and each file reaches args.out through fold.files (a plain file's mode)
+    with tempfile.TemporaryDirectory(dir=args.out, prefix=".staging-") as staging:
+        model.to(torch.bfloat16).save_pretrained(staging)
+        for src in sorted(Path(staging).iterdir()):
+            write_atomically(args.out / src.name, lambda tmp, src=src: shutil.copyfile(src, tmp))
+    write_text_atomically(args.out / "train_log.json", json.dumps(log, indent=1))
     return log
 
 

@@ -165,7 +165,7 @@ def test_induction_init_copies_a_repeated_sequence():
     assert p[:, t, t - 63].mean() > 0.9                  # attends to the entry after the earlier copy
 
 
-def test_train_target_smoke(tiny_stdlib, tmp_path):
+def test_train_target_smoke(tiny_stdlib, tmp_path, plain_mode):
     start = time.perf_counter()
     log = train_target.main(["--out", str(tmp_path / "target"), "--minutes", "0.005", "--seq-len", "64", "--batch", "2",
                              "--hidden", "64", "--vocab", "400", "--channel-lags", "2", "--channel-width", "4",
@@ -183,6 +183,11 @@ def test_train_target_smoke(tiny_stdlib, tmp_path):
     assert len(tokenizer) == target.config.vocab_size == 400
     assert tokenizer.mask_token_id == target.config.mask_token_id
     assert json.loads((tmp_path / "target" / "train_log.json").read_text())["total_steps"] == steps
+    # every file is a plain file's (save_pretrained alone gives the weights 0600); no staging folder is left
+    files = sorted((tmp_path / "target").iterdir())
+    assert {"config.json", "model.safetensors", "train_log.json"} <= {f.name for f in files}
+    for path in files:
+        assert path.is_file() and path.stat().st_mode & 0o777 == plain_mode, path
 
 
 @pytest.mark.parametrize("anchor_offset", [False, True])
