@@ -12,11 +12,13 @@ were answered) and matched to the run's records by digest.
 The lookup drafter, per round, takes the longest suffix of the committed tokens (at most 16) that
 occurs in the part of the context it may read, the most recent such occurrence, and drafts the
 ``block - 1`` tokens that followed it; the answer accepts the matching prefix, and the target adds one
-token, as in a speculative round. Two readers, split as FOLD splits the context: ``far`` reads only
+token, as in a speculative round. Three readers, split as FOLD splits the context: ``far`` reads only
 occurrences whose next token lies more than ``W + block`` entries back (far from every row of the
-block: FOLD's far memory, which the window row cannot see), ``window`` only the rest. For each cell this prints how many prompts a far lookup drafts in full in its
-first round, and τ over the answer (committed tokens per round until the answer is done) of each
-reader, beside the run's own rows' fold − window over the whole generation.
+block: FOLD's far memory, which the window row cannot see), ``window`` only the rest, ``all`` both
+(what a FOLD row may read). For each cell this prints how many prompts a far lookup drafts in full in
+its first round, and τ over the answer (committed tokens per round until the answer is done) of each
+reader, with ``all − window`` (the lookup's fold − window), beside the run's own rows' fold − window
+over its whole generation (the answer and the tokens after it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from tools.compare_runs import load
 
 MAX_KEY = 16
+READERS = ("far", "window", "all")
 
 
 def lookup_draft(ids: Sequence[int], lo: int, hi: int, slots: int) -> list[int]:
@@ -51,13 +54,14 @@ def lookup_rounds(prompt: Sequence[int], answer: Sequence[int], *, window: int, 
     """The tokens each speculative round commits while the target generates ``answer`` after
     ``prompt`` and a lookup drafter (:func:`lookup_draft`, ``block - 1`` slots) drafts: the accepted
     prefix plus the target's own token, the last round cut at the answer's end. ``reader``: ``"far"``
-    looks up entries more than ``window + block`` back, ``"window"`` the last ``window + block``."""
-    if reader not in ("far", "window"):
-        raise ValueError(f"reader must be 'far' or 'window', got {reader!r}")
+    looks up occurrences whose next token lies more than ``window + block`` back, ``"window"`` the
+    others, ``"all"`` every one."""
+    if reader not in READERS:
+        raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
     ids, done, rounds = list(prompt), 0, []
     while done < len(answer):
         edge = len(ids) - (window + block)           # entries before it are far from this round's block
-        lo, hi = (0, edge) if reader == "far" else (max(edge, 0), len(ids))
+        lo, hi = {"far": (0, edge), "window": (max(edge, 0), len(ids)), "all": (0, len(ids))}[reader]
         accepted = 0
         for token, want in zip(lookup_draft(ids, lo, hi, block - 1), answer[done:]):
             if token != want:
@@ -94,7 +98,7 @@ def ceiling(records: list[dict], tokenizer, held_text, *, prompts: int, seed: in
             raise ValueError(f"{task} {length}: {len(missing)} of the run's {len(measured)} prompts are not among "
                              f"the prompts drawn with --prompts {prompts} --seed {seed} (pass the run's values)")
         rec = dict(task=task, length=length, n=len(measured))
-        first, tau = [], {"far": [], "window": []}
+        first, tau = [], {reader: [] for reader in READERS}
         for digest in measured:
             i = found[digest]
             prompt = ids[i].tolist()
@@ -106,6 +110,7 @@ def ceiling(records: list[dict], tokenizer, held_text, *, prompts: int, seed: in
         rec["far_full_first_round"] = sum(first)
         for reader, values in tau.items():
             rec[f"tau_{reader}"] = round(statistics.fmean(values), 2)
+        rec["all_minus_window"] = round(statistics.fmean(a - w for a, w in zip(tau["all"], tau["window"])), 2)
         if "fold" in rows and "window" in rows:
             rec["run_fold_minus_window"] = round(statistics.fmean(
                 f - w for f, w in zip(rows["fold"]["taus"], rows["window"]["taus"])), 2)
@@ -132,7 +137,7 @@ def main(argv=None) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or real.target_dir())
     held_text = corpus.held_out_code()
     print(f"{'task':<18} {'length':>6} {'n':>3} {'far: all drafted in round 1':>28} {'τ answer: far':>14} "
-          f"{'window':>7} {'run: fold − window':>19}")
+          f"{'window':>7} {'all':>5} {'all − window':>13} {'run: fold − window':>19}")
     for run in args.runs:
         try:
             rows = ceiling(load(run), tokenizer, held_text, prompts=args.prompts, seed=args.seed,
@@ -142,7 +147,8 @@ def main(argv=None) -> int:
             return 2
         for r in rows:
             print(f"{r['task']:<18} {r['length']:>6} {r['n']:>3} {r['far_full_first_round']:>28} {r['tau_far']:>14.2f} "
-                  f"{r['tau_window']:>7.2f} {r.get('run_fold_minus_window', float('nan')):>+19.2f}")
+                  f"{r['tau_window']:>7.2f} {r['tau_all']:>5.2f} {r['all_minus_window']:>+13.2f} "
+                  f"{r.get('run_fold_minus_window', float('nan')):>+19.2f}")
     return 0
 
 

@@ -40,9 +40,11 @@ def test_rounds_copy_a_far_span_only_through_the_far_reader():
     prompt, answer = far_prompt(gap=300)                       # the span sits more than W + block back
     assert lookup_rounds(prompt, answer, window=256, block=8, reader="far") == [8, 4]
     assert lookup_rounds(prompt, answer, window=256, block=8, reader="window") == [1] * 12
+    assert lookup_rounds(prompt, answer, window=256, block=8, reader="all") == [8, 4]
     prompt, answer = far_prompt(gap=200)                       # inside the last W + block: the window's
     assert lookup_rounds(prompt, answer, window=256, block=8, reader="window") == [8, 4]
     assert lookup_rounds(prompt, answer, window=256, block=8, reader="far") == [1] * 12
+    assert lookup_rounds(prompt, answer, window=256, block=8, reader="all") == [8, 4]
     # the edge: the token after the far occurrence (index 2) is far while 2 < len(prompt) - (W + block)
     for gap, far in ((249, True), (248, False)):
         prompt, answer = far_prompt(gap)
@@ -70,11 +72,13 @@ def test_a_run_is_matched_by_digest_and_each_prompt_played(toy_tokenizer):
                dict(task="code", length=length, policy="window", prompts=digests[:1], taus=[1.0])]
     (row,) = lookup_ceiling.ceiling(records, toy_tokenizer, None, prompts=2, seed=0, window=64, block=8)
     want = {reader: [lookup_rounds(ids[i].tolist(), answers[i], window=64, block=8, reader=reader) for i in picked]
-            for reader in ("far", "window")}
+            for reader in ("far", "window", "all")}
     assert (row["task"], row["length"], row["n"]) == (task, length, 3)
     for reader, rounds in want.items():
         assert row[f"tau_{reader}"] == round(sum(sum(r) / len(r) for r in rounds) / 3, 2)
     assert row["far_full_first_round"] == sum(r[0] == 8 for r in want["far"])
+    assert row["all_minus_window"] == round(sum(sum(a) / len(a) - sum(w) / len(w)
+                                                for a, w in zip(want["all"], want["window"])) / 3, 2)
     assert row["run_fold_minus_window"] == round((1.0 + 0.0 + 0.5) / 3, 2)
     # prompts drawn with another --prompts are not the run's: refused, naming the option
     with pytest.raises(ValueError, match="--prompts 3"):
