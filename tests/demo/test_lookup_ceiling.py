@@ -83,3 +83,11 @@ def test_a_run_is_matched_by_digest_and_each_prompt_played(toy_tokenizer):
     # prompts drawn with another --prompts are not the run's: refused, naming the option
     with pytest.raises(ValueError, match="--prompts 3"):
         lookup_ceiling.ceiling(records, toy_tokenizer, None, prompts=3, seed=0, window=64, block=8)
+
+
+def test_the_command_refuses_a_folder_without_results_and_bad_options(tmp_path, capsys):
+    assert lookup_ceiling.main([str(tmp_path), "--tokenizer", TOY_TOKENIZER]) == 2
+    assert "no fold-demo results" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lookup_ceiling.main([str(tmp_path), "--block", "1"])
+    assert "--block must be at least 2" in capsys.readouterr().err
