@@ -3,7 +3,6 @@
 import os
 
 import pytest
-
 import torch
 from safetensors import safe_open
 

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.compare_runs import load
+from tools.compare_runs import _cells, load
 
 MAX_KEY = 16
 READERS = ("far", "window", "all")
@@ -40,12 +40,13 @@ def lookup_draft(ids: Sequence[int], lo: int, hi: int, slots: int) -> list[int]:
     :data:`MAX_KEY` tokens) that also ends at some ``j`` with ``lo <= j < hi`` (``ids[j]`` the token
     after that occurrence), the largest such ``j``, and the ``slots`` tokens from ``ids[j]`` on (fewer
     where the sequence ends). Empty when not even the last token occurs there."""
+    ids = list(ids)
     n = len(ids)
     for k in range(min(MAX_KEY, n - 1), 0, -1):
-        key = list(ids[n - k:])
+        key = ids[n - k:]
         for j in range(min(hi, n) - 1, max(lo, k) - 1, -1):
-            if list(ids[j - k:j]) == key:
-                return list(ids[j:min(j + slots, n)])
+            if ids[j - k:j] == key:
+                return ids[j:j + slots]
     return []
 
 
@@ -74,14 +75,6 @@ def lookup_rounds(prompt: Sequence[int], answer: Sequence[int], *, window: int, 
     return rounds
 
 
-def _cells(records: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
-    cells: dict[tuple[str, int], dict[str, dict]] = {}
-    for rec in records:
-        if rec.get("task", "").startswith(("retrieval-", "natural-")) and "prompts" in rec:
-            cells.setdefault((rec["task"], rec["length"]), {})[rec["policy"]] = rec
-    return cells
-
-
 def ceiling(records: list[dict], tokenizer, held_text, *, prompts: int, seed: int, window: int,
             block: int) -> list[dict]:
     """Per cell of ``records`` (a run's ``results.json``): the lookup readers on its measured prompts."""
@@ -89,6 +82,8 @@ def ceiling(records: list[dict], tokenizer, held_text, *, prompts: int, seed: in
 
     out = []
     for (task, length), rows in sorted(_cells(records).items()):
+        if not task.startswith(("retrieval-", "natural-")):
+            continue
         measured = rows.get("window", next(iter(rows.values())))["prompts"]
         ids, _, answers = experiment.prompts_for(task, length, prompts * experiment.RETRIEVAL_DRAWS, seed, None,
                                                  tokenizer, 1, held_text)
@@ -111,9 +106,8 @@ def ceiling(records: list[dict], tokenizer, held_text, *, prompts: int, seed: in
         for reader, values in tau.items():
             rec[f"tau_{reader}"] = round(statistics.fmean(values), 2)
         rec["all_minus_window"] = round(statistics.fmean(a - w for a, w in zip(tau["all"], tau["window"])), 2)
-        if "fold" in rows and "window" in rows:
-            rec["run_fold_minus_window"] = round(statistics.fmean(
-                f - w for f, w in zip(rows["fold"]["taus"], rows["window"]["taus"])), 2)
+        if "tau_minus_window" in rows.get("fold", {}):
+            rec["run_fold_minus_window"] = round(rows["fold"]["tau_minus_window"], 2)
         out.append(rec)
     return out
 

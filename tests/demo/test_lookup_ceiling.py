@@ -4,6 +4,7 @@ import pytest
 import transformers
 
 from fold.demo import experiment
+from tests.demo.test_compare_runs import records as records_of
 from tools import lookup_ceiling
 from tools.lookup_ceiling import lookup_draft, lookup_rounds
 
@@ -67,9 +68,8 @@ def test_a_run_is_matched_by_digest_and_each_prompt_played(toy_tokenizer):
     ids, _, answers = experiment.prompts_for(task, length, 2 * experiment.RETRIEVAL_DRAWS, 0, None, toy_tokenizer, 1)
     picked = [4, 1, 5]                                         # the prompts the target "answered"
     digests = [experiment.prompt_digest(ids[i]) for i in picked]
-    records = [dict(task=task, length=length, policy="window", prompts=digests, taus=[1.0, 1.5, 1.0]),
-               dict(task=task, length=length, policy="fold", prompts=digests, taus=[2.0, 1.5, 1.5]),
-               dict(task="code", length=length, policy="window", prompts=digests[:1], taus=[1.0])]
+    records = records_of({"AR": [1.0] * 3, "window": [1.0, 1.5, 1.0], "fold": [2.0, 1.5, 1.5]}, digests, task, length)
+    records += records_of({"AR": [1.0], "window": [1.0]}, digests[:1], "code", length)
     (row,) = lookup_ceiling.ceiling(records, toy_tokenizer, None, prompts=2, seed=0, window=64, block=8)
     want = {reader: [lookup_rounds(ids[i].tolist(), answers[i], window=64, block=8, reader=reader) for i in picked]
             for reader in ("far", "window", "all")}
